@@ -1,0 +1,40 @@
+"""Per-sequence advantages from group rewards [..., n_groups, G] (every group shares one prompt).
+
+- reward:  A_i = R_i                                      (plain REINFORCE; unbiased)
+- rloo:    A_i = R_i - mean_{j != i} R_j                  (leave-one-out baseline; unbiased, Kool et al. 2019)
+- grpo:    A_i = (R_i - mean_j R_j) / (std_j R_j + eps)   (GRPO, Shao et al. 2024; std with Bessel's correction
+                                                           as torch.std in verl; biased: data-dependent scale)
+- drgrpo:  A_i = R_i - mean_j R_j                         (Dr. GRPO, Liu et al. 2025; equals (G-1)/G * rloo)
+"""
+from __future__ import annotations
+
+import torch
+
+from lab.errors import LabError
+
+ADVANTAGES = ("reward", "rloo", "grpo", "drgrpo")
+GRPO_EPS = 1e-6
+
+
+def check(kind: str, group_size: int) -> None:
+    if kind not in ADVANTAGES:
+        raise LabError(f"unknown advantage {kind!r}; choose one of {', '.join(ADVANTAGES)}")
+    if group_size < 1:
+        raise LabError(f"group size must be at least 1, got {group_size}")
+    if kind != "reward" and group_size < 2:
+        raise LabError(f"advantage {kind!r} needs groups of at least 2 responses per prompt; "
+                       f"raise --group-size or use --advantage reward")
+
+
+def group_advantages(rewards: torch.Tensor, kind: str) -> torch.Tensor:
+    """Advantages with the shape of ``rewards`` ([..., n_groups, G])."""
+    check(kind, rewards.shape[-1])
+    if kind == "reward":
+        return rewards
+    G = rewards.shape[-1]
+    centred = rewards - rewards.mean(-1, keepdim=True)
+    if kind == "rloo":
+        return centred * G / (G - 1)
+    if kind == "drgrpo":
+        return centred
+    return centred / (rewards.std(-1, keepdim=True) + GRPO_EPS)

@@ -1,0 +1,41 @@
+"""The Batch record: what a trainer holds after a rollout, as tensors with leading dims [..., B].
+
+Log-probs are per token [..., B, T] and already masked (0 on padding). ``behaviour_log_probs`` are the
+sampler's (mu), the ones a trainer receives with the rollout; rewards are per sequence; every group of
+``group_size`` consecutive responses shares one prompt.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+
+from lab.errors import LabError
+
+
+@dataclass
+class Batch:
+    prompts: torch.Tensor  # [..., B] long
+    tokens: torch.Tensor  # [..., B, T] long
+    mask: torch.Tensor  # [..., B, T] float, 1 on real tokens
+    behaviour_log_probs: torch.Tensor  # [..., B, T] log mu(y_t | s_t), masked
+    rewards: torch.Tensor  # [..., B] sampled rewards
+    group_size: int
+
+    def __post_init__(self):
+        self.validate()
+
+    def validate(self) -> None:
+        for name in ("behaviour_log_probs", "rewards"):
+            value = getattr(self, name)
+            if not torch.isfinite(value).all():
+                raise LabError(f"batch field {name} contains NaN or infinite values; check the policy parameters "
+                               f"and the sampler that produced them")
+        if (self.behaviour_log_probs > 1e-6).any():
+            raise LabError("batch field behaviour_log_probs has positive values; log-probabilities must be <= 0")
+        B = self.prompts.shape[-1]
+        if B % self.group_size:
+            raise LabError(f"batch size {B} is not a multiple of the group size {self.group_size}")
+
+    def field_tensors(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "group_size"}

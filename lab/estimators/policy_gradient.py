@@ -1,0 +1,61 @@
+"""REINFORCE and importance sampling: the unbiased references and the token-level shortcut.
+
+delta_t = log pi(y_t|s_t) - log mu(y_t|s_t) is clamped to [-20, 20] before exponentiating, as verl does;
+the sequence log-weight L = sum_t m_t delta_t (a plain sum) is clamped to [-20, 20] as verl's rollout
+correction does (its SAFETY_BOUND). sg[.] is detach.
+"""
+from __future__ import annotations
+
+import torch
+
+from lab.estimators.aggregation import agg_loss, masked_mean
+from lab.estimators.registry import register
+
+LOG_RATIO_BOUND = 20.0
+
+
+def token_log_ratio(log_prob, old_log_prob):
+    return torch.clamp(log_prob - old_log_prob, -LOG_RATIO_BOUND, LOG_RATIO_BOUND)
+
+
+def sequence_log_weight(log_prob, old_log_prob, response_mask):
+    """L = clamp(sum_t m_t (log pi - log mu), -20, 20), shape [B, 1] (broadcasts over tokens)."""
+    L = ((log_prob - old_log_prob) * response_mask).sum(-1, keepdim=True)
+    return torch.clamp(L, -LOG_RATIO_BOUND, LOG_RATIO_BOUND)
+
+
+def unit_coefficient(ratio, advantage=None):
+    return torch.ones_like(torch.as_tensor(ratio, dtype=torch.float64))
+
+
+def identity_coefficient(ratio, advantage=None):
+    return torch.as_tensor(ratio, dtype=torch.float64)
+
+
+@register("reinforce", family="on-policy", source="Williams 1992; REINFORCE without correction",
+          unbiased_for="grad J on-policy only (mu = pi); ignores staleness", coefficient=unit_coefficient)
+def reinforce(log_prob, old_log_prob, advantages, response_mask, loss_agg_mode="token-mean"):
+    """REINFORCE, no correction: loss_t = -A log pi(y_t|s_t); grad = A grad log pi(y)."""
+    loss = agg_loss(-advantages * log_prob, response_mask, loss_agg_mode)
+    return loss, {"ppo_kl": masked_mean(old_log_prob - log_prob, response_mask).detach()}
+
+
+@register("seq_is", family="importance-sampling", source="sequence-level IS (Precup et al. 2000); verl rollout IS",
+          unbiased_for="grad J at any staleness (up to the |L| <= 20 clamp)", coefficient=identity_coefficient)
+def seq_is(log_prob, old_log_prob, advantages, response_mask, loss_agg_mode="token-mean"):
+    """Sequence IS: loss_t = -sg[W] A log pi(y_t|s_t), W = exp(L) = pi(y)/mu(y); grad = W A grad log pi(y)."""
+    L = sequence_log_weight(log_prob, old_log_prob, response_mask)
+    weight = torch.exp(L).detach()
+    loss = agg_loss(-weight * advantages * log_prob, response_mask, loss_agg_mode)
+    return loss, {"seq_weight_mean": weight.mean(), "seq_weight_max": weight.max(),
+                  "ppo_kl": masked_mean(old_log_prob - log_prob, response_mask).detach()}
+
+
+@register("token_is", family="importance-sampling", source="PPO surrogate without clipping (Schulman et al. 2017)",
+          unbiased_for="biased for sequences: ignores the prefix ratio", coefficient=identity_coefficient)
+def token_is(log_prob, old_log_prob, advantages, response_mask, loss_agg_mode="token-mean"):
+    """Token IS: loss_t = -A rho_t, rho_t = pi(y_t|s_t)/mu(y_t|s_t); grad = sum_t rho_t A grad log pi(y_t|s_t)."""
+    ratio = torch.exp(token_log_ratio(log_prob, old_log_prob))
+    loss = agg_loss(-advantages * ratio, response_mask, loss_agg_mode)
+    return loss, {"ratio_mean": masked_mean(ratio, response_mask).detach(),
+                  "ppo_kl": masked_mean(old_log_prob - log_prob, response_mask).detach()}

@@ -1,0 +1,62 @@
+"""One registry, one decorator, one signature (after verl's policy-loss registry).
+
+Sampled-token estimators: ``fn(log_prob, old_log_prob, advantages, response_mask,
+loss_agg_mode="token-mean", **hyper) -> (loss, metrics)``. All tensors are [B, T]; ``log_prob`` carries the
+gradient, the others are data. Metrics are 0-dim tensors so that every estimator runs under ``torch.func.vmap``.
+"""
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, field
+from typing import Callable
+
+from lab.errors import LabError
+
+
+@dataclass(frozen=True)
+class EstimatorInfo:
+    name: str
+    fn: Callable
+    family: str  # on-policy | importance-sampling | clipping | ...
+    source: str  # the paper or system the formula and defaults come from
+    unbiased_for: str  # what its expectation equals, or "biased" with the reason
+    description: str  # one line
+    coefficient: Callable | None = None  # effective coefficient on grad log pi, as a plain function
+    defaults: dict = field(default_factory=dict)
+
+
+_REGISTRY: dict[str, EstimatorInfo] = {}
+
+
+def register(name: str, *, family: str, source: str, unbiased_for: str, coefficient: Callable | None = None):
+    """Decorator: add ``fn`` to the registry; its keyword defaults become the registry's defaults."""
+
+    def wrap(fn):
+        params = inspect.signature(fn).parameters.values()
+        defaults = {p.name: p.default for p in params if p.default is not inspect._empty and p.name != "loss_agg_mode"}
+        doc = (fn.__doc__ or "").strip().splitlines()
+        _REGISTRY[name] = EstimatorInfo(name, fn, family, source, unbiased_for, doc[0] if doc else "", coefficient, defaults)
+        return fn
+
+    return wrap
+
+
+def names() -> list[str]:
+    return list(_REGISTRY)
+
+
+def info(name: str) -> EstimatorInfo:
+    if name not in _REGISTRY:
+        raise LabError(f"unknown estimator {name!r}; known estimators: {', '.join(_REGISTRY)} (see `lab estimators`)")
+    return _REGISTRY[name]
+
+
+def get(name: str) -> Callable:
+    return info(name).fn
+
+
+def check_hyper(name: str, hyper: dict) -> None:
+    unknown = set(hyper) - set(info(name).defaults)
+    if unknown:
+        raise LabError(f"estimator {name!r} has no hyper-parameter(s) {', '.join(sorted(unknown))}; "
+                       f"it takes {', '.join(info(name).defaults) or 'none'}")

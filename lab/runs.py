@@ -1,0 +1,101 @@
+"""Run folders: config.json (resolved config, seed, versions, git revision), results.parquet, summary.json.
+
+Written atomically: everything goes to a hidden sibling folder that is renamed into place at the end, so an
+interrupted or failed run leaves nothing half-written. An existing run folder is replaced; any other
+existing, non-empty path is refused.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from importlib import metadata
+from pathlib import Path
+
+import pandas as pd
+
+from lab.errors import LabError
+
+RUN_FILES = ("config.json", "results.parquet", "summary.json")
+
+
+def package_versions() -> dict:
+    out = {"python": platform.python_version()}
+    for name in ("torch", "numpy", "scipy", "pandas", "pyarrow", "matplotlib", "papermill", "offpolicy-variance-lab"):
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            out[name] = None
+    return out
+
+
+def git_revision() -> str | None:
+    try:
+        here = Path(__file__).resolve().parent
+        rev = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, timeout=10)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
+                               capture_output=True, text=True, timeout=10)
+        if rev.returncode != 0:
+            return None
+        return rev.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def _jsonable(obj):
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    if isinstance(obj, dict):
+        return {str(k): _jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_jsonable(v) for v in obj]
+    return obj
+
+
+def write_json(path: Path, obj) -> None:
+    path.write_text(json.dumps(_jsonable(obj), indent=2, sort_keys=False) + "\n")
+
+
+def check_out_dir(out: Path) -> None:
+    """Refuse an output path that exists and is not a run folder (checked before any work starts)."""
+    out = Path(out)
+    if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not (out / "config.json").exists())):
+        raise LabError(f"output path {out} exists and is not a run folder; choose another --out")
+
+
+def write_run(out: Path, config: dict, results: pd.DataFrame, summary: dict, extra: dict | None = None) -> Path:
+    """Write a run folder atomically; ``extra`` maps file names to callables writing them (given the path)."""
+    out = Path(out)
+    check_out_dir(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        write_json(tmp / "config.json", {**config, "versions": package_versions(), "git_revision": git_revision()})
+        results.to_parquet(tmp / "results.parquet", index=False)
+        write_json(tmp / "summary.json", summary)
+        for name, writer in (extra or {}).items():
+            writer(tmp / name)
+        if out.exists():
+            old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old.", dir=out.parent))
+            os.replace(out, old / "run")
+            os.replace(tmp, out)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def load_run(path: Path) -> tuple[dict, pd.DataFrame, dict]:
+    path = Path(path)
+    missing = [f for f in RUN_FILES if not (path / f).exists()]
+    if missing:
+        raise LabError(f"{path} is not a complete run folder (missing {', '.join(missing)})")
+    return (json.loads((path / "config.json").read_text()), pd.read_parquet(path / "results.parquet"),
+            json.loads((path / "summary.json").read_text()))
