@@ -121,7 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--set", action="append", metavar="KEY=VALUE", help="override an env field, e.g. length=6")
     v.add_argument("--policy", default=d["policy"], help="prefix | markov")
     v.add_argument("--staleness", default=d["staleness"], help="lag | kl | temperature")
-    v.add_argument("--values", default="0,1,2,4,8,16", help="comma-separated staleness values")
+    v.add_argument("--values", default="0,1,2,4,8,16,32,64", help="comma-separated staleness values")
     v.add_argument("--estimators", default="reinforce,seq_is,token_is,ppo_clip", help="comma-separated names")
     v.add_argument("--hyper", action="append", metavar="EST.KEY=VALUE", help="e.g. ppo_clip.clip_ratio_c=3.0")
     v.add_argument("--advantage", default=d["advantage"], help="reward | rloo | grpo | drgrpo")

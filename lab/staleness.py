@@ -5,7 +5,7 @@ as a measured divergence (see ``lab.exact.divergence``).
                   same policy (Adam on the exact, or Monte Carlo, policy gradient of the env's objective);
                   pi is the trajectory's last snapshot. Stale rollouts in synchronous mini-batching are this.
 - kl target d:    mu = softmax(logits_pi + s z) with fixed noise z ~ N(0, 1); s is found by bisection so that
-                  the per-token KL(mu||pi) = KL_seq / E_mu[|y|] equals d (to 0.1 % relative).
+                  the per-token KL(mu||pi) = KL_seq / E_mu[|y|] equals d (Brent's method on s).
 - temperature t:  mu = softmax(logits_pi / t), the sampler's temperature.
 """
 from __future__ import annotations
@@ -14,6 +14,7 @@ import math
 from dataclasses import dataclass
 
 import torch
+from scipy.optimize import brentq
 
 from lab.errors import LabError
 from lab.exact import divergence, make_support, policy_gradient
@@ -66,7 +67,7 @@ def check_value(kind: str, value: float, max_lag: int) -> None:
 
 
 def kl_target_params(env, policy, theta_pi, target: float, generator: torch.Generator, reference: str,
-                     enum_limit: int, mc_samples: int, rtol: float = 1e-3) -> torch.Tensor:
+                     enum_limit: int, mc_samples: int) -> torch.Tensor:
     """Perturb pi's logits along fixed noise z until the per-token KL(mu||pi) equals ``target``."""
     z = torch.randn(theta_pi.shape, generator=generator, dtype=torch.float64)
     if target == 0:
@@ -85,13 +86,8 @@ def kl_target_params(env, policy, theta_pi, target: float, generator: torch.Gene
         lo, hi = hi, hi * 2
         if hi > 2**12:
             raise LabError(f"KL target {target} is out of reach of logit perturbations; use a smaller value")
-    for _ in range(100):
-        mid = 0.5 * (lo + hi)
-        kl = kl_at(mid)
-        if abs(kl - target) <= rtol * target:
-            break
-        lo, hi = (mid, hi) if kl < target else (lo, mid)
-    return theta_pi + mid * z
+    scale = brentq(lambda s: kl_at(s) / target - 1.0, lo, hi, rtol=1e-10, xtol=1e-12 * hi, maxiter=200)
+    return theta_pi + scale * z
 
 
 def behaviour_params(kind: str, value: float, trajectory: Trajectory, env, policy, generator, reference: str,

@@ -48,7 +48,7 @@ class VarianceConfig:
     env_overrides: dict = field(default_factory=dict)  # preset fields to change, e.g. {"length": 6}
     policy: str = "prefix"  # tabular policy: prefix (any distribution) or markov
     staleness: str = "lag"  # lag | kl | temperature
-    values: list = field(default_factory=lambda: [0, 1, 2, 4, 8, 16])  # staleness settings
+    values: list = field(default_factory=lambda: [0, 1, 2, 4, 8, 16, 32, 64])  # staleness settings
     estimators: list = field(default_factory=lambda: list(DEFAULT_ESTIMATORS))
     hyper: dict = field(default_factory=dict)  # {estimator: {hyper: value}} overrides of registry defaults
     advantage: str = "rloo"  # reward | rloo | grpo | drgrpo
@@ -130,7 +130,8 @@ def gram_metrics(grads: torch.Tensor, target: torch.Tensor, counts: np.ndarray, 
     ||mean g - g*||^2 overstates the squared bias by variance / M, so the bias and the cosine of the mean use
     the debiased forms (bias2 = ||mean g - g*||^2 - variance/M; ||mean g||^2 - variance/M in the cosine's norm)
     with normal bootstrap intervals (point -/+ z sd of the resampled statistic): a percentile interval would
-    inherit the resamples' upward shift. Means over replicates (mse, cos_single) use percentile intervals.
+    inherit the resamples' upward shift. The variance and the means over replicates (mse, cos_single) use
+    percentile intervals.
     """
     g = grads.double()
     M = g.shape[0]
@@ -149,7 +150,8 @@ def gram_metrics(grads: torch.Tensor, target: torch.Tensor, counts: np.ndarray, 
         cos_single = h / np.sqrt(diag * tt)
     z = float(np.sqrt(2.0) * erfinv(ci))
     out = {}
-    for key, series in {"bias2": bias2, "variance": variance, "cos_mean": cos_mean}.items():
+    out["variance"] = (float(variance[0]), *stats.percentile_interval(variance[1:], ci))
+    for key, series in {"bias2": bias2, "cos_mean": cos_mean}.items():
         sd = float(np.std(series[1:], ddof=1))
         out[key] = (float(series[0]), float(series[0]) - z * sd, float(series[0]) + z * sd)
     out["cos_mean"] = tuple(float(np.clip(v, -1.0, 1.0)) for v in out["cos_mean"])

@@ -13,6 +13,7 @@ Reward families (``reward=``):
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -70,6 +71,9 @@ class SequenceBandit:
     def enumerate(self, limit: int = DEFAULT_ENUM_LIMIT):
         """All (prompt, response) pairs: prompts [N], tokens [N, T] (long), mask [N, T] (float64)."""
         self.check_enumerable(limit)
+        return _enumerate(self)
+
+    def _enumerate_uncached(self):
         V, T = self.vocab_size, self.length
         grid = torch.cartesian_prod(*[torch.arange(V)] * T) if T > 1 else torch.arange(V)[:, None]
         grid = grid.reshape(-1, T)
@@ -90,6 +94,9 @@ class SequenceBandit:
 
     # ---- rewards ---------------------------------------------------------------------------
     def _tables(self):
+        return _tables(self)
+
+    def _tables_uncached(self):
         g = torch.Generator().manual_seed(10_007 * self.seed + 17)
         V, T, P = self.vocab_size, self.length, self.n_prompts
         lo = 1 if self.eos else 0  # targets avoid the end token except as a terminator
@@ -122,6 +129,16 @@ class SequenceBandit:
         if self.reward != "bernoulli":
             return expected
         return torch.bernoulli(expected, generator=generator)
+
+
+@functools.lru_cache(maxsize=8)
+def _enumerate(env: SequenceBandit):
+    return env._enumerate_uncached()
+
+
+@functools.lru_cache(maxsize=32)
+def _tables(env: SequenceBandit):
+    return env._tables_uncached()
 
 
 _PRESETS = {
