@@ -11,25 +11,47 @@ import torch
 from torch.func import grad, vmap
 
 from lab import estimators
+from lab.errors import LabError
 from lab.policies import token_log_probs
 
 
-def loss_fn(policy, name: str, loss_agg_mode: str, hyper: dict):
-    """(theta, prompts, tokens, mask, old_log_prob, advantages) -> (loss, metrics) for one batch."""
-    fn = estimators.get(name)
+def loss_fn(policy, name: str, loss_agg_mode: str, hyper: dict, static: dict | None = None):
+    """(theta, prompts, tokens, mask, old_log_prob, advantages, extras) -> (loss, metrics) for one batch.
 
-    def loss(theta, prompts, tokens, mask, old_log_prob, advantages):
-        log_prob = token_log_probs(policy, theta, prompts, tokens) * mask
-        return fn(log_prob, old_log_prob, advantages, mask, loss_agg_mode=loss_agg_mode, **hyper)
+    ``extras`` holds the estimator's extra tensor inputs by name (see lab.estimators.registry); ``logits`` is
+    computed here from theta so that it carries the gradient; ``static`` holds non-tensor inputs (group_size).
+    """
+    info = estimators.info(name)
+    static = static or {}
+    wanted = set(info.inputs) | set(info.optional_inputs)
+
+    def loss(theta, prompts, tokens, mask, old_log_prob, advantages, extras):
+        logits = policy.logits(theta, prompts, tokens)
+        log_prob = torch.log_softmax(logits, -1).gather(-1, tokens[..., None]).squeeze(-1) * mask
+        named = {k: v for k, v in {**extras, "logits": logits, **static}.items() if k in wanted}
+        return info.fn(log_prob, old_log_prob, advantages, mask, loss_agg_mode=loss_agg_mode, **hyper, **named)
 
     return loss
 
 
-def replicate_gradients(policy, theta, batch, advantages, name, loss_agg_mode, hyper, chunk_size=128):
-    """Ascent-direction estimates [M, D] and metrics {key: [M]} for every replicate of ``batch`` ([M, B, ...])."""
-    per_batch = grad(loss_fn(policy, name, loss_agg_mode, hyper), has_aux=True)
-    grads, metrics = vmap(per_batch, in_dims=(None, 0, 0, 0, 0, 0), chunk_size=chunk_size)(
-        theta, batch.prompts, batch.tokens, batch.mask, batch.behaviour_log_probs, advantages)
+def check_inputs(name: str, available) -> None:
+    """Refuse an estimator whose required extra inputs this study does not provide."""
+    missing = [k for k in estimators.info(name).inputs if k not in set(available) | {"logits"}]
+    if missing:
+        raise LabError(f"estimator {name!r} needs {', '.join(missing)}, which this study does not provide")
+
+
+def replicate_gradients(policy, theta, batch, advantages, name, loss_agg_mode, hyper, extras=None, static=None,
+                        chunk_size=128):
+    """Ascent-direction estimates [M, D] and metrics {key: [M]} for every replicate of ``batch`` ([M, B, ...]).
+
+    ``extras`` maps extra input names to tensors with the replicate axis first; ``static`` to plain values.
+    """
+    extras = extras or {}
+    check_inputs(name, [*extras, *(static or {})])
+    per_batch = grad(loss_fn(policy, name, loss_agg_mode, hyper, static), has_aux=True)
+    grads, metrics = vmap(per_batch, in_dims=(None, 0, 0, 0, 0, 0, 0), chunk_size=chunk_size)(
+        theta, batch.prompts, batch.tokens, batch.mask, batch.behaviour_log_probs, advantages, extras)
     return -grads.reshape(grads.shape[0], -1), metrics
 
 

@@ -3,7 +3,9 @@
 For each staleness setting: build mu, draw M independent batches of B responses from it (B/G prompts drawn
 uniformly, G responses each), evaluate every estimator on the same batches (vmap over replicates), and
 compare the M gradient estimates g_m with the target c * grad J (c = 1 for seq-mean-token-sum, 1/T for the
-per-token normalised modes; exact by enumeration, or a large on-policy Monte Carlo reference):
+per-token normalised modes; exact by enumeration, or a large on-policy Monte Carlo reference). Estimators whose
+on-policy gradient is a multiple of grad J (GVPO: beta) are divided by that multiple first. Extra inputs a study
+provides: group rewards, the group size, and a reference policy (the start of pi's trajectory) for KL penalties.
 
     bias2      = ||mean_m g_m - g*||^2 - variance / M  (unbiased for ||E g - g*||^2; bias_norm = sqrt(max(bias2, 0)))
     variance   = trace Cov(g_m) (divisor M - 1)       mse = mean_m ||g_m - g*||^2
@@ -23,7 +25,7 @@ import numpy as np
 import pandas as pd
 import torch
 from scipy.special import erfinv
-from tqdm.auto import tqdm
+from tqdm import tqdm
 
 import toy_envs
 from lab import advantages as adv_mod
@@ -32,11 +34,12 @@ from lab.batch import Batch
 from lab.errors import LabError
 from lab.estimators.aggregation import check_mode, target_scale
 from lab.exact import divergence, make_support, policy_gradient
-from lab.gradients import expected_gradient, replicate_gradients
+from lab.gradients import check_inputs, expected_gradient, replicate_gradients
 from lab.policies import init_params, make_policy, sample, token_log_probs
 from lab.staleness import KINDS, behaviour_params, check_value, optimisation_trajectory
 
 DEFAULT_ESTIMATORS = ("reinforce", "seq_is", "token_is", "ppo_clip")
+STUDY_INPUTS = ("rewards", "group_size", "ref_log_prob", "logits")  # extra estimator inputs a study provides
 GRADIENT_MEMORY_BUDGET = 2 * 2**30  # bytes for the [M, D] float32 estimates of one estimator
 
 
@@ -78,7 +81,7 @@ class VarianceConfig:
         if not self.estimators:
             raise LabError("give at least one estimator")
         for name in self.estimators:
-            estimators.info(name)
+            check_inputs(name, STUDY_INPUTS)
             estimators.check_hyper(name, self.hyper.get(name, {}))
         unknown = set(self.hyper) - set(self.estimators)
         if unknown:
@@ -108,6 +111,12 @@ class VarianceConfig:
                            f"estimates (budget {GRADIENT_MEMORY_BUDGET / 2**30:.0f} GiB); use fewer replicates or "
                            f"--policy markov")
         return env
+
+
+def grad_scale(name: str, hyper: dict) -> float:
+    """c with E[-grad loss] = c * grad J on-policy (GVPO: beta); estimates are divided by it before comparison."""
+    info = estimators.info(name)
+    return 1.0 if info.grad_scale is None else float(info.grad_scale({**info.defaults, **hyper}))
 
 
 def _seed(*parts: int) -> int:
@@ -225,18 +234,24 @@ def run_study(cfg: VarianceConfig, progress: bool | None = None) -> StudyResult:
         theta32 = theta_pi.float()
         with torch.no_grad():
             lp_pi = token_log_probs(policy, theta32, batch.prompts, batch.tokens) * batch.mask
+            # the reference policy of KL penalties: where pi's optimisation trajectory started
+            extras = {"rewards": batch.rewards,
+                      "ref_log_prob": token_log_probs(policy, traj.snapshots[0].float(), batch.prompts, batch.tokens)
+                      * batch.mask}
         for metric, (v, lo, hi) in weight_diagnostics(batch, lp_pi, counts, cfg.ci).items():
             add(value, "-", metric, v, lo, hi)
         add(value, "-", "mean_reward_sampled", *stats.mean_interval(batch.rewards.mean(-1).numpy(), counts, cfg.ci))
         entry = {"staleness": float(value), **div, "estimators": {}}
         for name in cfg.estimators:
             hyper = cfg.hyper.get(name, {})
-            grads, metrics = replicate_gradients(policy, theta32, batch, adv, name, cfg.loss_agg_mode, hyper)
-            res = gram_metrics(grads, g_star.float(), counts, cfg.ci)
-            if cfg.reference == "exact" and cfg.advantage == "reward":
+            grads, metrics = replicate_gradients(policy, theta32, batch, adv, name, cfg.loss_agg_mode, hyper,
+                                                 extras, {"group_size": G})
+            scale = grad_scale(name, hyper)
+            res = gram_metrics(grads / scale, g_star.float(), counts, cfg.ci)
+            if cfg.reference == "exact" and cfg.advantage == "reward" and not estimators.info(name).inputs:
                 expected = expected_gradient(env, policy, theta_pi, theta_mu, support_mu, name, cfg.loss_agg_mode, hyper)
                 if expected is not None:
-                    res["exact_bias_norm"] = (float((expected - g_star).norm()),) * 3
+                    res["exact_bias_norm"] = (float((expected / scale - g_star).norm()),) * 3
             for metric, m_values in metrics.items():
                 res[metric] = stats.mean_interval(m_values.double().numpy(), counts, cfg.ci)
             for metric, (v, lo, hi) in res.items():

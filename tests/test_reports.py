@@ -30,7 +30,7 @@ def gallery(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("reports")
     with pytest.MonkeyPatch.context() as mp:
         for name, report in reports.REPORTS.items():
-            mp.setitem(reports.REPORTS, name, dataclasses.replace(report, params=SMALL))
+            mp.setitem(reports.REPORTS, name, dataclasses.replace(report, params=report.smoke))
         paths = reports.run_all(out)
     assert paths == [out / name for name in reports.names()] + [out / "index.html"]
     return out

@@ -1,5 +1,15 @@
 """Estimators: pure functions of tensors in one registry. ``names()``, ``get(name)``, ``info(name)``."""
-from lab.estimators import clipping, policy_gradient  # noqa: F401  (modules register on import)
+from lab.estimators import (  # noqa: F401  (modules register on import)
+    clipping,
+    distillation,
+    gated,
+    gvpo,
+    kl_penalty,
+    policy_gradient,
+    sequence_ratio,
+    truncation,
+    vespo,
+)
 from lab.estimators.aggregation import AGG_MODES, agg_loss
 from lab.estimators.registry import EstimatorInfo, check_hyper, get, info, names, register
 

@@ -3,6 +3,13 @@
 Sampled-token estimators: ``fn(log_prob, old_log_prob, advantages, response_mask,
 loss_agg_mode="token-mean", **hyper) -> (loss, metrics)``. All tensors are [B, T]; ``log_prob`` carries the
 gradient, the others are data. Metrics are 0-dim tensors so that every estimator runs under ``torch.func.vmap``.
+
+Estimators that need more than that (group rewards for GVPO, full-vocabulary logits or a teacher for the
+distillation family, a reference policy for KL penalties, the sampler's log-probs in a decoupled three-policy
+batch) name those extra inputs as keyword-only arguments and list them in ``inputs=``; callers pass them by
+name. Known extra inputs (all [B, T] unless said): ``rewards`` [B], ``group_size`` (int), ``logits`` [B, T, V]
+(the current policy's, carrying the gradient), ``teacher_log_prob``, ``teacher_logits`` [B, T, V],
+``ref_log_prob``, ``rollout_log_probs``.
 """
 from __future__ import annotations
 
@@ -22,20 +29,27 @@ class EstimatorInfo:
     unbiased_for: str  # what its expectation equals, or "biased" with the reason
     description: str  # one line
     coefficient: Callable | None = None  # effective coefficient on grad log pi, as a plain function
-    defaults: dict = field(default_factory=dict)
+    defaults: dict = field(default_factory=dict)  # hyper-parameters and their defaults
+    inputs: tuple = ()  # extra named inputs, required (see the module docstring)
+    optional_inputs: tuple = ()  # extra named inputs it uses when given (e.g. rollout_log_probs)
+    grad_scale: Callable | None = None  # hyper -> c: on-policy, E[-grad loss] = c * grad J (None: c = 1)
 
 
 _REGISTRY: dict[str, EstimatorInfo] = {}
 
 
-def register(name: str, *, family: str, source: str, unbiased_for: str, coefficient: Callable | None = None):
-    """Decorator: add ``fn`` to the registry; its keyword defaults become the registry's defaults."""
+def register(name: str, *, family: str, source: str, unbiased_for: str, coefficient: Callable | None = None,
+             inputs: tuple = (), optional_inputs: tuple = (), grad_scale: Callable | None = None):
+    """Decorator: add ``fn`` to the registry; its keyword defaults (other than the named inputs) become the
+    registry's hyper-parameter defaults."""
 
     def wrap(fn):
         params = inspect.signature(fn).parameters.values()
-        defaults = {p.name: p.default for p in params if p.default is not inspect._empty and p.name != "loss_agg_mode"}
+        skip = {"loss_agg_mode", *inputs, *optional_inputs}
+        defaults = {p.name: p.default for p in params if p.default is not inspect._empty and p.name not in skip}
         doc = (fn.__doc__ or "").strip().splitlines()
-        _REGISTRY[name] = EstimatorInfo(name, fn, family, source, unbiased_for, doc[0] if doc else "", coefficient, defaults)
+        _REGISTRY[name] = EstimatorInfo(name, fn, family, source, unbiased_for, doc[0] if doc else "", coefficient,
+                                        defaults, tuple(inputs), tuple(optional_inputs), grad_scale)
         return fn
 
     return wrap
