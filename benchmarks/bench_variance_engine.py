@@ -1,9 +1,9 @@
 #!/usr/bin/env python
 """Benchmark: the variance engine's vectorised per-replicate gradients against a per-sample Python loop.
 
-    .venv/bin/python benchmarks/bench_variance_engine.py              # full run (5-10 minutes on 2 cores)
+    .venv/bin/python benchmarks/bench_variance_engine.py              # full run (2-7 minutes on 2 cores)
     .venv/bin/python benchmarks/bench_variance_engine.py --threads 1  # the same, steadier on a shared machine
-    .venv/bin/python benchmarks/bench_variance_engine.py --quick      # smoke test (~15 s); exit 1 on disagreement
+    .venv/bin/python benchmarks/bench_variance_engine.py --quick      # smoke test (15-30 s); exit 1 on disagreement
     .venv/bin/python benchmarks/bench_variance_engine.py --json out.json --profile
 
 Candidate: ``lab.gradients.replicate_gradients`` (torch.func vmap over replicates of grad of the estimator loss),
@@ -16,8 +16,11 @@ estimates computed as vmap-grad with respect to the gathered logits [M, B, T, V]
 [M, D] output (optionally a buffer reused across calls). See benchmarks/README.md for what it is for.
 
 Sections printed:
-  1. agreement of engine (and prototype) with the loop, every estimator, nonzero advantages (dense rewards);
-  2. speed ratio loop / engine at B x M = 64 x 1000 on tiny_target (prefix) and medium_target (prefix, markov);
+  1. agreement of engine (and prototype) with a loop, for every registered estimator, nonzero advantages
+     (dense rewards): loop_gradients where it applies; for estimators with extra inputs (teacher, reference
+     policy, group rewards), which loop_gradients cannot pass, a per-replicate autograd loop in this file;
+  2. speed ratio loop / engine at B x M = 64 x 1000 on tiny_target (prefix) and medium_target (prefix, markov),
+     for the engine's default estimators (--estimators to change);
      the loop is timed on a subset of replicates and scaled linearly to M (said in the table);
   3. engine vs prototype on the same settings;
   4. how the engine's cost per replicate grows with V, T, B and M (one table each);
@@ -28,6 +31,7 @@ Baseline and candidate run in the same process on the same batches; read ratios,
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import os
 import platform
@@ -46,42 +50,72 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 import toy_envs  # noqa: E402
 from lab import advantages as adv_mod  # noqa: E402
 from lab import estimators  # noqa: E402
+from lab import gradients as lab_gradients  # noqa: E402
 from lab.batch import Batch  # noqa: E402
 from lab.gradients import loop_gradients, replicate_gradients  # noqa: E402
-from lab.policies import init_params, make_policy, token_log_probs  # noqa: E402
+from lab.policies import init_params, make_policy  # noqa: E402
 from lab.variance import draw_batches  # noqa: E402
 
 TOL = 1e-6  # max |engine - loop| / max(1, max |loop|)
 TARGET_RATIO = 50.0
+NOISY_SPREAD = 1.5  # slowest / fastest repeat above this marks a scaling-table cell as contended
 DEFAULT_MODE = "seq-mean-token-sum"  # the engine's default loss_agg_mode (VarianceConfig)
+SPEED_ESTIMATORS = ("reinforce", "seq_is", "token_is", "ppo_clip")  # lab.variance.DEFAULT_ESTIMATORS
+# replicate_gradients / loss_fn take the estimators' extra inputs (teacher, reference, group rewards) when this holds
+EXTRAS_API = "static" in inspect.signature(lab_gradients.loss_fn).parameters
+STATIC_INPUTS = ("group_size",)  # extra inputs that are plain values, not tensors with a replicate axis
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # Prototype (not lab code): per-replicate gradients in logit space, scattered once into the [M, D] output.
 # ---------------------------------------------------------------------------------------------------------------
-def scatter_gradients(policy, theta, batch, advantages, name, loss_agg_mode, hyper, out=None):
+class LogitsAsParameters:
+    """Stand-in policy whose parameters are the gathered logits themselves, so that lab's own per-batch loss
+    (lab.gradients.loss_fn: log_softmax, gather, mask, the estimator, its extra inputs) is differentiated with
+    respect to the logits [B, T, V] instead of theta."""
+
+    @staticmethod
+    def logits(theta, prompts, tokens):
+        return theta
+
+
+def _loss(policy, name, loss_agg_mode, hyper, static):
+    """lab.gradients.loss_fn, negated: the sign of the ascent direction is folded into the loss."""
+    if EXTRAS_API:
+        loss = lab_gradients.loss_fn(policy, name, loss_agg_mode, hyper, static)
+    else:  # the signature before extra inputs existed
+        loss = lab_gradients.loss_fn(policy, name, loss_agg_mode, hyper)
+
+    def ascent_loss(*args):
+        value, metrics = loss(*args)
+        return -value, metrics
+
+    return ascent_loss
+
+
+def _data(batch, advantages, extras):
+    data = (batch.prompts, batch.tokens, batch.mask, batch.behaviour_log_probs, advantages)
+    return data + (extras or {},) if EXTRAS_API else data
+
+
+def scatter_gradients(policy, theta, batch, advantages, name, loss_agg_mode, hyper, extras=None, static=None,
+                      out=None):
     """Same result as ``replicate_gradients`` for tabular policies (logits = embedding(rows, theta.view(-1, V))).
 
     vmap(grad) is taken with respect to the gathered logits [B, T, V] of each replicate, so no per-replicate dense
     [D] gradient, no chunk concatenation and no negation copy is ever materialised; the [M, B, T, V] logit
     gradients are added into a single [M * R, V] table with one index_add_. ``out`` ([M, D], reused across
-    calls) avoids page-faulting a fresh M x D allocation on every call.
+    calls) avoids page-faulting a fresh M x D allocation on every call. Every dependence of the loss on theta
+    goes through the gathered logits, so this holds for estimators that use the full logits too.
     """
-    fn = estimators.get(name)
     V = policy.vocab_size
     table = theta.reshape(-1, V)
     R = table.shape[0]
     M = batch.prompts.shape[0]
     rows = policy.rows(batch.prompts, batch.tokens)  # [M, B, T]
     logits = F.embedding(rows, table)  # [M, B, T, V], plain data: the gradient is taken w.r.t. it
-
-    def ascent_loss(lg, tokens, mask, old_log_prob, adv):
-        log_prob = torch.log_softmax(lg, dim=-1).gather(-1, tokens[..., None]).squeeze(-1) * mask
-        loss, metrics = fn(log_prob, old_log_prob, adv, mask, loss_agg_mode=loss_agg_mode, **hyper)
-        return -loss, metrics  # ascent direction: the sign is folded in, no separate negation pass
-
-    g, metrics = vmap(grad(ascent_loss, has_aux=True))(logits, batch.tokens, batch.mask,
-                                                        batch.behaviour_log_probs, advantages)
+    ascent_loss = _loss(LogitsAsParameters(), name, loss_agg_mode, hyper, static)
+    g, metrics = vmap(grad(ascent_loss, has_aux=True))(logits, *_data(batch, advantages, extras))
     if out is None:
         out = torch.zeros(M, R * V, dtype=theta.dtype)
     else:
@@ -91,33 +125,48 @@ def scatter_gradients(policy, theta, batch, advantages, name, loss_agg_mode, hyp
     return out, metrics
 
 
-def generic_gradients(policy, theta, batch, advantages, name, loss_agg_mode, hyper, out=None, chunk_size=128):
+def generic_gradients(policy, theta, batch, advantages, name, loss_agg_mode, hyper, extras=None, static=None,
+                      out=None, chunk_size=128):
     """Ablation of ``replicate_gradients`` that works for any policy (no tabular structure used).
 
     Same vmap(grad w.r.t. theta), but the sign is folded into the loss (no ``-grads`` copy of [M, D]) and, when
     ``out`` is given, each chunk's [chunk, D] gradients are copied into it instead of vmap's chunk concatenation
     (a fresh [M, D] tensor). Each chunk still materialises a dense [chunk, D] gradient (embedding backward).
     """
-    fn = estimators.get(name)
-
-    def ascent_loss(th, prompts, tokens, mask, old_log_prob, adv):
-        log_prob = token_log_probs(policy, th, prompts, tokens) * mask
-        loss, metrics = fn(log_prob, old_log_prob, adv, mask, loss_agg_mode=loss_agg_mode, **hyper)
-        return -loss, metrics
-
-    per_batch = vmap(grad(ascent_loss, has_aux=True), in_dims=(None, 0, 0, 0, 0, 0))
-    data = (batch.prompts, batch.tokens, batch.mask, batch.behaviour_log_probs, advantages)
+    data = _data(batch, advantages, extras)
+    per_batch = grad(_loss(policy, name, loss_agg_mode, hyper, static), has_aux=True)
+    in_dims = (None,) + (0,) * len(data)
     if out is None:
-        g, metrics = vmap(grad(ascent_loss, has_aux=True), in_dims=(None, 0, 0, 0, 0, 0),
-                          chunk_size=chunk_size)(theta, *data)
+        g, metrics = vmap(per_batch, in_dims=in_dims, chunk_size=chunk_size)(theta, *data)
         return g.reshape(g.shape[0], -1), metrics
     M = batch.prompts.shape[0]
     parts = []
     for lo in range(0, M, chunk_size):
-        g, metrics = per_batch(theta, *(x[lo:lo + chunk_size] for x in data))
+        chunk = [x[lo:lo + chunk_size] for x in data[:5]] + [{k: v[lo:lo + chunk_size] for k, v in x.items()}
+                                                             for x in data[5:]]
+        g, metrics = vmap(per_batch, in_dims=in_dims)(theta, *chunk)
         out[lo:lo + chunk_size] = g.reshape(g.shape[0], -1)
         parts.append(metrics)
     return out, {k: torch.cat([m[k] for m in parts]) for k in parts[0]}
+
+
+def replicate_loop_gradients(policy, theta, batch, advantages, name, loss_agg_mode, hyper, extras, static):
+    """Reference for estimators that need extra inputs, which ``loop_gradients`` cannot pass: a Python loop with
+    one ordinary backward pass per replicate batch (no vmap, no torch.func), written from the registry contract."""
+    info = estimators.info(name)
+    wanted = set(info.inputs) | set(info.optional_inputs)
+    M = batch.prompts.shape[0]
+    out = torch.zeros(M, theta.numel(), dtype=theta.dtype)
+    for m in range(M):
+        th = theta.detach().clone().requires_grad_(True)
+        logits = policy.logits(th, batch.prompts[m], batch.tokens[m])
+        log_prob = torch.log_softmax(logits, -1).gather(-1, batch.tokens[m][..., None]).squeeze(-1) * batch.mask[m]
+        named = {k: v[m] for k, v in extras.items()} | {"logits": logits} | dict(static)
+        loss, _ = info.fn(log_prob, batch.behaviour_log_probs[m], advantages[m], batch.mask[m],
+                          loss_agg_mode=loss_agg_mode, **hyper, **{k: v for k, v in named.items() if k in wanted})
+        loss.backward()
+        out[m] = -th.grad.reshape(-1)
+    return out
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -158,6 +207,28 @@ def make_setup(case: Case, M: int, B: int, G: int, seed: int, mu_noise: float, a
     adv = adv_mod.group_advantages(batch.rewards.reshape(M, B // G, G), advantage).reshape(M, B)
     adv = adv[..., None] * batch.mask  # broadcast over the mask, as run_study does
     return Setup(env, policy, theta_pi.float(), batch, adv)
+
+
+def make_extras(s: Setup, G: int, seed: int) -> tuple[dict, dict]:
+    """Every extra input an estimator may require, for the batches of ``s`` (replicate axis first): a teacher
+    (pi + N(0, 1) logit noise) and a reference policy (pi + N(0, 0.5^2)), as lab.distillation_variance builds
+    its teacher tensors; the group rewards; the group size (static)."""
+    gen = torch.Generator().manual_seed(seed + 1)
+    b = s.batch
+    noise = lambda scale: scale * torch.randn(s.theta.shape, generator=gen)  # noqa: E731
+    with torch.no_grad():
+        t_logits = s.policy.logits(s.theta + noise(1.0), b.prompts, b.tokens)
+        t_log_prob = torch.log_softmax(t_logits, -1).gather(-1, b.tokens[..., None]).squeeze(-1) * b.mask
+        r_logits = s.policy.logits(s.theta + noise(0.5), b.prompts, b.tokens)
+        r_log_prob = torch.log_softmax(r_logits, -1).gather(-1, b.tokens[..., None]).squeeze(-1) * b.mask
+    tensors = {"teacher_logits": t_logits, "teacher_log_prob": t_log_prob, "ref_log_prob": r_log_prob,
+               "rewards": b.rewards}
+    return tensors, {"group_size": G}
+
+
+def needs(name: str) -> tuple[str, ...]:
+    """Required extra inputs other than ``logits`` (which the loss computes from theta)."""
+    return tuple(k for k in estimators.info(name).inputs if k != "logits")
 
 
 def head(s: Setup, n: int) -> tuple[Batch, torch.Tensor]:
@@ -232,37 +303,81 @@ def load() -> str:
 # Sections
 # ---------------------------------------------------------------------------------------------------------------
 def agreement(p, results) -> bool:
-    """Engine and prototype vs the loop on batches with nonzero advantages (dense rewards)."""
+    """Engine and prototype vs a loop reference, every registered estimator, nonzero advantages (dense rewards)."""
     dense = {"reward": "dense"}
     checks = [(Case("tiny_target", "prefix", dense), list(estimators.AGG_MODES)),
               (Case("tiny_target", "markov", dense), [DEFAULT_MODE]),
               (Case("medium_target", "prefix", dense), [DEFAULT_MODE]),
               (Case("medium_target", "markov", dense), [DEFAULT_MODE]),
               (Case("small_eos", "markov", dense), [DEFAULT_MODE, "seq-mean-token-mean"])]
-    rows, all_ok = [], True
+    worst, all_ok = {}, True  # estimator -> summary over every (setting, mode)
     for case, modes in checks:
         s = make_setup(case, p.check_reps, p.B, p.G, p.seed, p.mu_noise)
+        tensors, static = make_extras(s, p.G, p.seed)
         nonzero = float((s.adv != 0).float().mean())
         for mode in modes:
             for name in estimators.names():
-                ref = loop_gradients(s.policy, s.theta, s.batch, s.adv, name, mode, {})
-                eng = compare(replicate_gradients(s.policy, s.theta, s.batch, s.adv, name, mode, {})[0], ref)
-                pro = compare(scatter_gradients(s.policy, s.theta, s.batch, s.adv, name, mode, {})[0], ref)
+                need = needs(name)
+                args = (s.policy, s.theta, s.batch, s.adv, name, mode, {})
+                if not need:
+                    reference = "loop_gradients"
+                    ref = loop_gradients(*args)
+                    eng_g = replicate_gradients(*args)[0]
+                    pro_g = scatter_gradients(*args)[0]
+                elif not EXTRAS_API:
+                    worst[name] = {"reference": f"none: lab cannot pass {', '.join(need)}"}
+                    continue
+                else:  # loop_gradients cannot pass extra inputs: one backward per replicate batch instead
+                    reference = "per-replicate loop"
+                    ex = {k: tensors[k] for k in need if k in tensors}
+                    st = {k: static[k] for k in need if k in static}
+                    ref = replicate_loop_gradients(*args, ex, st)
+                    eng_g = replicate_gradients(*args, extras=ex, static=st)[0]
+                    pro_g = scatter_gradients(*args, extras=ex, static=st)[0]
+                eng, pro = compare(eng_g, ref), compare(pro_g, ref)
                 all_ok &= eng["ok"] and pro["ok"]
-                results["agreement"].append({"setting": case.label, "D": s.D, "estimator": name, "loss_agg_mode": mode,
-                                             "replicates": p.check_reps, "nonzero_adv_frac": nonzero,
-                                             "engine": eng, "prototype": pro})
-                rows.append([case.label, f"{s.D:,}", name, mode, f"{nonzero:.2f}", f"{eng['grad_scale']:.3g}",
-                             f"{eng['max_abs_diff']:.1e}", f"{eng['err']:.1e}", f"{pro['err']:.1e}",
-                             "ok" if eng["ok"] and pro["ok"] else "FAIL"])
-    table(f"1. Agreement with the loop baseline ({p.check_reps} replicates x B={p.B}, every estimator; "
-          f"tolerance {TOL:g})",
-          ["setting", "D", "estimator", "loss_agg_mode", "adv!=0", "max|g|", "max|diff|", "err engine", "err proto",
-           ""], rows,
-          [f"err = max|candidate - loop| / max(1, max|loop|) over all replicates and parameters; pass if <= {TOL:g}.",
-           "Dense rewards (env override reward=dense) so advantages are nonzero: with the exact-match presets and a",
-           "random policy almost every reward is 0, which would make the gradients (and this check) trivially 0.",
-           f"mu = pi + N(0, {p.mu_noise}^2) logit noise, so importance weights and PPO clipping are exercised."])
+                rec = {"setting": case.label, "D": s.D, "estimator": name, "loss_agg_mode": mode,
+                       "reference": reference, "inputs": list(need), "replicates": p.check_reps,
+                       "nonzero_adv_frac": nonzero, "engine": eng, "prototype": pro}
+                results["agreement"].append(rec)
+                w = worst.setdefault(name, {"reference": reference, "checks": 0, "scale": [], "eng": None,
+                                            "pro": None, "fail": 0})
+                w["checks"] += 1
+                w["scale"].append(eng["grad_scale"])
+                w["fail"] += not (eng["ok"] and pro["ok"])
+                if w["eng"] is None or eng["err"] > w["eng"][0]["err"]:
+                    w["eng"] = (eng, f"{case.label} {mode}")
+                if w["pro"] is None or pro["err"] > w["pro"]["err"]:
+                    w["pro"] = pro
+    rows = []
+    for name in estimators.names():
+        w = worst[name]
+        if "checks" not in w:
+            rows.append([name, w["reference"], "", "", "", "", "", "", "skipped"])
+            continue
+        eng, where = w["eng"]
+        rows.append([name, w["reference"], w["checks"], f"{min(w['scale']):.2g}-{max(w['scale']):.2g}",
+                     f"{eng['max_abs_diff']:.1e}", f"{eng['err']:.1e}", f"{w['pro']['err']:.1e}",
+                     where if eng["max_abs_diff"] > 0 else "(bit-identical everywhere)",
+                     "ok" if not w["fail"] else f"FAIL x{w['fail']}"])
+    n_settings = sum(len(m) for _, m in checks)
+    table(f"1. Agreement with a loop reference: every registered estimator on {n_settings} (setting, loss_agg_mode) "
+          f"pairs, {p.check_reps} replicates x B={p.B} each; tolerance {TOL:g}",
+          ["estimator", "reference", "checks", "max|g|", "max|diff|", "err engine", "err proto", "worst case", ""],
+          rows,
+          [f"err = max|candidate - reference| / max(1, max|reference|) over all replicates and parameters; pass if "
+           f"<= {TOL:g}. Columns show the",
+           "worst (setting, mode) pair per estimator; every pair is in --json. Settings: tiny_target/prefix (all four "
+           "modes), tiny_target/markov,",
+           "medium_target/prefix and markov, small_eos/markov (variable length; two modes), all with reward=dense so "
+           "the advantages are nonzero:",
+           "with the exact-match presets and a random policy almost every reward is 0, and the check would be "
+           "trivially 0 = 0.",
+           f"mu = pi + N(0, {p.mu_noise}^2) logit noise, so importance weights, clipping and masking are exercised.",
+           "reference: loop_gradients (one backward per sample) where it applies; for estimators with extra inputs "
+           "(teacher, reference policy,",
+           "group rewards), which loop_gradients cannot pass, a per-replicate loop in this file (one ordinary "
+           "backward per batch, no torch.func)."])
     return all_ok
 
 
@@ -273,7 +388,7 @@ def speed(p, results) -> bool:
         s = make_setup(case, p.M, p.B, p.G, p.seed, p.mu_noise)
         nonzero = float((s.adv != 0).float().mean())
         buffer = torch.empty(p.M, s.D, dtype=s.theta.dtype)
-        for name in estimators.names():
+        for name in p.speed_estimators:
             args = (s.policy, s.theta, s.batch, s.adv, name, DEFAULT_MODE, {})
             t_eng, times_eng, (g_eng, _) = time_fast(lambda: replicate_gradients(*args), p.repeats)
             g_eng = g_eng[:p.loop_reps].clone()  # keep only what the loop is compared on
@@ -332,7 +447,8 @@ def scaling(p, results) -> None:
                 args = (s.policy, s.theta, s.batch, s.adv, name, DEFAULT_MODE, {})
                 t_eng, times_eng, _ = time_fast(lambda: replicate_gradients(*args), p.repeats)
                 t_pro, times_pro, _ = time_fast(lambda: scatter_gradients(*args), p.repeats)
-                per[pol, value] = (s.D, t_eng / cfg["M"], t_pro / cfg["M"])
+                noisy = max(times_eng) / min(times_eng) > NOISY_SPREAD
+                per[pol, value] = (s.D, t_eng / cfg["M"], t_pro / cfg["M"], noisy)
                 results["scaling"].append({"vary": knob, "policy": pol, **cfg, "D": s.D, "estimator": name,
                                            "engine_s": t_eng, "engine_times_s": times_eng, "prototype_s": t_pro,
                                            "prototype_times_s": times_pro})
@@ -341,16 +457,20 @@ def scaling(p, results) -> None:
         for value in values:
             row = [str(value)]
             for pol in ("prefix", "markov"):
-                D, t_eng, t_pro = per[pol, value]
+                D, t_eng, t_pro, noisy = per[pol, value]
                 ref = per.get((pol, base[knob]))
-                row += [f"{D:,}", fmt_t(t_eng), f"{t_eng / ref[1]:.2f}" if ref else "", fmt_t(t_pro)]
+                row += [f"{D:,}", fmt_t(t_eng) + ("*" if noisy else " "), f"{t_eng / ref[1]:.2f}" if ref else "",
+                        fmt_t(t_pro)]
             rows.append(row)
         held = ", ".join(f"{k}={v}" for k, v in base.items() if k != knob)
         table(f"4{'abcd'[i]}. Engine cost per replicate vs {knob} (tiny_target overrides, {held}; {name})",
               [knob, "D prefix", "engine ms/rep", "x base", "scatter", "D markov", "engine ms/rep", "x base",
                "scatter"], rows,
               [f"ms/rep = median call time / M; 'x base' = engine time per replicate relative to {knob}={base[knob]};",
-               "'scatter' = the prototype of section 3, for reference."] if i == 0 else [])
+               "'scatter' = the prototype of section 3, for reference; * = slowest/fastest repeat above "
+               f"{NOISY_SPREAD} (a contended measurement).",
+               "A busy machine can also slow all repeats of one row alike, which no spread shows: compare a "
+               "--threads 1 run."] if i == 0 else [])
 
 
 def breakdown(p, results) -> None:
@@ -415,6 +535,10 @@ def parse(argv=None):
     ap.add_argument("--replicates", type=int, help="M for sections 2, 3, 5 and the base of 4 (full 1000, quick 100)")
     ap.add_argument("--loop-replicates", type=int, help="replicates the loop is timed on (full 50, quick 1)")
     ap.add_argument("--repeats", type=int, help="timed calls per fast-path measurement (full 3, quick 3)")
+    ap.add_argument("--estimators", nargs="+", metavar="NAME",
+                    help="estimators timed in sections 2-3 (default: the engine's defaults "
+                         f"{' '.join(SPEED_ESTIMATORS)}; 'all' = every one loop_gradients can run). Section 1 "
+                         "always checks every registered estimator.")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--skip", nargs="*", default=[], choices=["agreement", "speed", "scaling", "breakdown"],
                     help="sections to leave out")
@@ -432,6 +556,17 @@ def parse(argv=None):
     p.loop_reps = min(p.loop_replicates or p.loop_reps, p.M)
     if p.M not in p.scale_M:
         p.scale_M = sorted({*p.scale_M, p.M})
+    loopable = [n for n in estimators.names() if not needs(n)]
+    if not p.estimators:
+        p.speed_estimators = [n for n in SPEED_ESTIMATORS if n in loopable]
+    elif p.estimators == ["all"]:
+        p.speed_estimators = loopable
+    else:
+        bad = [n for n in p.estimators if n not in loopable]
+        if bad:
+            ap.error(f"cannot time {', '.join(bad)} against loop_gradients (unknown, or needs extra inputs); "
+                     f"choose from {', '.join(loopable)}")
+        p.speed_estimators = p.estimators
     if p.quick and p.threads is None:
         p.threads = 1
     if min(p.M, p.repeats, p.loop_reps) < 1:
@@ -457,7 +592,10 @@ def main(argv=None) -> int:
           f"os.cpu_count() = {cpus}; load average at start: {meta['load_start']}; "
           f"THP_MEM_ALLOC_ENABLE={meta['THP_MEM_ALLOC_ENABLE'] or 'unset'}")
     try:
-        if os.getloadavg()[0] > (cpus or 1):
+        if os.getloadavg()[0] > (cpus or 1) and torch.get_num_threads() == 1:
+            print("note: the machine is busy (1-min load average above the core count); with 1 torch thread the "
+                  "times are still steady.")
+        elif os.getloadavg()[0] > (cpus or 1):
             print("WARNING: the machine is busy (1-min load average above the core count). With more than one "
                   "torch thread,\n  every parallel op waits for a descheduled worker: times are inflated and noisy "
                   "(see the spread column).\n  On a shared machine prefer --threads 1.")

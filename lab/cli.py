@@ -86,7 +86,7 @@ def cmd_variance(args) -> int:
     check_out_dir(out)
     result = run_study(cfg)
     write_run(out, {"command": "variance", **config_dict(cfg)}, result.results, result.summary)
-    best = ", ".join(f"{k}: {v}" for k, v in result.summary["best_by_mse"].items())
+    best = ", ".join(f"{k}: {v or 'none beats a zero update'}" for k, v in result.summary["best_by_mse"].items())
     print(f"wrote {out} ({len(result.results)} rows); lowest MSE per {cfg.staleness} value: {best}")
     return 0
 
@@ -128,7 +128,7 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--group-size", type=int, default=d["group_size"])
     v.add_argument("--batch-size", type=int, default=d["batch_size"])
     v.add_argument("--replicates", type=int, default=d["replicates"])
-    v.add_argument("--agg", default=d["loss_agg_mode"], help="loss aggregation mode")
+    v.add_argument("--agg", default=d["loss_agg_mode"], help="loss aggregation mode, or native (each estimator's own)")
     v.add_argument("--reference", default=d["reference"], help="exact | mc")
     v.add_argument("--mc-samples", type=int, default=d["mc_samples"])
     v.add_argument("--enum-limit", type=int, default=d["enum_limit"])

@@ -19,7 +19,8 @@ KIND_LABELS = {
     "temperature": "sampling temperature of μ",
 }
 ESTIMATOR_COLORS = ["#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#17becf",
-                    "#7f7f7f", "#bcbd22"]
+                    "#7f7f7f", "#bcbd22", "#393b79", "#e7969c", "#637939", "#fd8d3c", "#7b4173", "#6baed6",
+                    "#b5cf6b", "#843c39", "#31a354", "#de9ed6"]
 KHAT_RELIABLE = 0.7  # Vehtari et al. (2024): above this the importance-sampling estimate is unreliable
 
 
@@ -212,4 +213,39 @@ def divergence(results: pd.DataFrame) -> Figure:
         ax.axhline(0, color="black", lw=0.6)
     axes[0].legend(frameon=False, fontsize=8)
     fig.suptitle("How far is the behaviour policy μ from π?", fontsize=11)
+    return fig
+
+
+def coefficient_curves(names: list[str] | None = None, max_ratio: float = 3.0) -> Figure:
+    """Each estimator's effective coefficient on A grad log pi against its ratio, for A > 0 and A < 0.
+
+    The ratio is the token ratio rho_t = pi/mu for token-level estimators, the sequence weight W = pi(y)/mu(y)
+    for sequence-level ones ("seq") and its geometric mean W^(1/|y|) for GSPO-style ones ("geo"); REINFORCE's
+    coefficient is 1, plain importance sampling's the ratio. Estimators without a coefficient function (group or
+    distillation losses) and KL penalties (their coefficient reads pi/pi_ref, not a behaviour ratio) are left out.
+    """
+    from lab import estimators
+
+    names = [n for n in (names or estimators.names())
+             if estimators.info(n).coefficient is not None and estimators.info(n).family != "kl-penalty"]
+    marks = {"sequence": " (seq)", "geometric": " (geo)"}
+    ratio = np.linspace(1e-3, max_ratio, 600)
+    fig = Figure(figsize=(12.5, 4.6), layout="constrained")
+    axes = fig.subplots(1, 2, sharey=True)
+    for col, (ax, sign) in enumerate(zip(axes, (1.0, -1.0))):
+        for i, name in enumerate(names):
+            info = estimators.info(name)
+            coef = np.asarray(info.coefficient(ratio, np.full_like(ratio, sign)), dtype=float)
+            coef = np.broadcast_to(coef, ratio.shape)
+            label = name + marks.get(info.ratio, "")
+            style = "-" if info.ratio == "token" else "--"
+            ax.plot(ratio, coef, style, color=ESTIMATOR_COLORS[i % len(ESTIMATOR_COLORS)], lw=1.8, label=label)
+        ax.axvline(1.0, color="0.6", lw=0.8)
+        ax.set_xlabel("ratio: token ρ = π/μ; (seq) W = π(y)/μ(y); (geo) W^(1/|y|)")
+        ax.set_title(f"advantage {'> 0' if sign > 0 else '< 0'}")
+        ax.set_ylim(-0.1, min(max_ratio, 3.0) + 0.1)
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("coefficient on A ∇log π")
+    axes[1].legend(loc="center left", bbox_to_anchor=(1.01, 0.5), fontsize=8, frameon=False)
+    fig.suptitle("Effective coefficient on the score function: where each correction passes, damps or cuts gradient")
     return fig

@@ -5,7 +5,7 @@ uniformly, G responses each), evaluate every estimator on the same batches (vmap
 compare the M gradient estimates g_m with the target c * grad J (c = 1 for seq-mean-token-sum, 1/T for the
 per-token normalised modes; exact by enumeration, or a large on-policy Monte Carlo reference). Estimators whose
 on-policy gradient is a multiple of grad J (GVPO: beta) are divided by that multiple first. Extra inputs a study
-provides: group rewards, the group size, and a reference policy (the start of pi's trajectory) for KL penalties.
+provides: group rewards and the group size.
 
     bias2      = ||mean_m g_m - g*||^2 - variance / M  (unbiased for ||E g - g*||^2; bias_norm = sqrt(max(bias2, 0)))
     variance   = trace Cov(g_m) (divisor M - 1)       mse = mean_m ||g_m - g*||^2
@@ -39,7 +39,7 @@ from lab.policies import init_params, make_policy, sample, token_log_probs
 from lab.staleness import KINDS, behaviour_params, check_value, optimisation_trajectory
 
 DEFAULT_ESTIMATORS = ("reinforce", "seq_is", "token_is", "ppo_clip")
-STUDY_INPUTS = ("rewards", "group_size", "ref_log_prob", "logits")  # extra estimator inputs a study provides
+STUDY_INPUTS = ("rewards", "group_size", "logits")  # extra estimator inputs a study provides
 GRADIENT_MEMORY_BUDGET = 2 * 2**30  # bytes for the [M, D] float32 estimates of one estimator
 
 
@@ -58,7 +58,7 @@ class VarianceConfig:
     group_size: int = 8  # G responses per prompt
     batch_size: int = 64  # B responses per batch (a multiple of G)
     replicates: int = 500  # M independent batches per setting
-    loss_agg_mode: str = "seq-mean-token-sum"
+    loss_agg_mode: str = "seq-mean-token-sum"  # or "native": each estimator's own default
     reference: str = "exact"  # exact (enumeration) | mc (Monte Carlo reference for large spaces)
     mc_samples: int = 65536  # samples behind each Monte Carlo expectation
     enum_limit: int = toy_envs.DEFAULT_ENUM_LIMIT
@@ -81,12 +81,22 @@ class VarianceConfig:
         if not self.estimators:
             raise LabError("give at least one estimator")
         for name in self.estimators:
+            if estimators.info(name).family == "distillation":
+                raise LabError(f"estimator {name!r} distils a teacher and has its own target; use the distillation "
+                               f"study (`lab report opd_variance`)")
             check_inputs(name, STUDY_INPUTS)
+            if not applicable(name):
+                raise LabError(f"estimator {name!r} is a KL penalty: its gradient targets a divergence, not grad J; "
+                               f"leave it out of variance studies")
             estimators.check_hyper(name, self.hyper.get(name, {}))
+            if "group_size" in estimators.info(name).inputs and self.group_size < 2:
+                raise LabError(f"estimator {name!r} needs groups of at least 2 responses per prompt; "
+                               f"raise --group-size")
         unknown = set(self.hyper) - set(self.estimators)
         if unknown:
             raise LabError(f"hyper-parameters given for estimator(s) not in the study: {', '.join(sorted(unknown))}")
-        check_mode(self.loss_agg_mode)
+        if self.loss_agg_mode != "native":
+            check_mode(self.loss_agg_mode)
         if self.batch_size < 1:
             raise LabError(f"batch size must be at least 1, got {self.batch_size}")
         if self.replicates < 2:
@@ -113,6 +123,25 @@ class VarianceConfig:
         return env
 
 
+def best_by_mse(per_estimator: dict) -> str | None:
+    """The lowest-MSE estimator, or None when none beats a zero update (relative MSE >= 1)."""
+    best = min(per_estimator, key=lambda n: per_estimator[n]["rel_mse"])
+    return best if per_estimator[best]["rel_mse"] < 1 else None
+
+
+def agg_mode(name: str, mode: str) -> str:
+    """The aggregation an estimator runs with in a study: the study's, or with "native" (or when its loss fixes
+    its own aggregation, as GVPO's does) its own default."""
+    info = estimators.info(name)
+    return info.loss_agg_mode if mode == "native" or info.fixed_agg else mode
+
+
+def applicable(name: str) -> bool:
+    """Whether an estimator is a policy-gradient estimator this study can run (inputs provided, not a penalty)."""
+    info = estimators.info(name)
+    return info.family != "kl-penalty" and set(info.inputs) <= set(STUDY_INPUTS)
+
+
 def grad_scale(name: str, hyper: dict) -> float:
     """c with E[-grad loss] = c * grad J on-policy (GVPO: beta); estimates are divided by it before comparison."""
     info = estimators.info(name)
@@ -137,7 +166,8 @@ def gram_metrics(grads: torch.Tensor, target: torch.Tensor, counts: np.ndarray, 
     """Bias, variance, MSE and cosines of estimates [M, D] against ``target`` [D], with bootstrap intervals.
 
     ||mean g - g*||^2 overstates the squared bias by variance / M, so the bias and the cosine of the mean use
-    the debiased forms (bias2 = ||mean g - g*||^2 - variance/M; ||mean g||^2 - variance/M in the cosine's norm)
+    the debiased forms (bias2 = ||mean g - g*||^2 - variance/M; ||mean g||^2 - variance/M in the cosine's norm,
+    NaN where that debiased squared norm is not positive: the mean is lost in the noise)
     with normal bootstrap intervals (point -/+ z sd of the resampled statistic): a percentile interval would
     inherit the resamples' upward shift. The variance and the means over replicates (mse, cos_single) use
     percentile intervals.
@@ -155,13 +185,14 @@ def gram_metrics(grads: torch.Tensor, target: torch.Tensor, counts: np.ndarray, 
     mean_sq = q / M**2 - variance / M  # debiased ||E g||^2
     bias2 = mean_sq - 2 * ch / M + tt
     with np.errstate(divide="ignore", invalid="ignore"):
-        cos_mean = np.clip((ch / M) / np.sqrt(np.maximum(mean_sq, 1e-300) * tt), -1.0, 1.0)
+        cos_mean = np.where(mean_sq > 0, np.clip((ch / M) / np.sqrt(np.abs(mean_sq) * tt), -1.0, 1.0), np.nan)
         cos_single = h / np.sqrt(diag * tt)
     z = float(np.sqrt(2.0) * erfinv(ci))
     out = {}
     out["variance"] = (float(variance[0]), *stats.percentile_interval(variance[1:], ci))
     for key, series in {"bias2": bias2, "cos_mean": cos_mean}.items():
-        sd = float(np.std(series[1:], ddof=1))
+        boot = series[1:][np.isfinite(series[1:])]
+        sd = float(np.std(boot, ddof=1)) if boot.size > 1 else float("nan")
         out[key] = (float(series[0]), float(series[0]) - z * sd, float(series[0]) + z * sd)
     out["cos_mean"] = tuple(float(np.clip(v, -1.0, 1.0)) for v in out["cos_mean"])
     out["bias_norm"] = tuple(float(np.sqrt(max(v, 0.0))) for v in out["bias2"])
@@ -207,8 +238,9 @@ def run_study(cfg: VarianceConfig, progress: bool | None = None) -> StudyResult:
     theta_pi = traj.current
     support_pi = make_support(env, policy, theta_pi, cfg.reference, cfg.enum_limit, cfg.mc_samples,
                               torch.Generator().manual_seed(_seed(cfg.seed, 1)))
-    scale = target_scale(cfg.loss_agg_mode, env.length)
-    g_star = (scale * policy_gradient(env, policy, theta_pi, support_pi)).reshape(-1)
+    grad_j = policy_gradient(env, policy, theta_pi, support_pi).reshape(-1)
+    agg = {name: agg_mode(name, cfg.loss_agg_mode) for name in cfg.estimators}
+    g_star = {name: target_scale(agg[name], env.length) * grad_j for name in cfg.estimators}
     rows, per_value = [], []
     key = dict(env=env.name, policy=cfg.policy, staleness_kind=cfg.staleness, seed=cfg.seed, reference=cfg.reference)
     quiet = os.environ.get("CI") or os.environ.get("LAB_QUIET")
@@ -234,24 +266,21 @@ def run_study(cfg: VarianceConfig, progress: bool | None = None) -> StudyResult:
         theta32 = theta_pi.float()
         with torch.no_grad():
             lp_pi = token_log_probs(policy, theta32, batch.prompts, batch.tokens) * batch.mask
-            # the reference policy of KL penalties: where pi's optimisation trajectory started
-            extras = {"rewards": batch.rewards,
-                      "ref_log_prob": token_log_probs(policy, traj.snapshots[0].float(), batch.prompts, batch.tokens)
-                      * batch.mask}
+        extras = {"rewards": batch.rewards}
         for metric, (v, lo, hi) in weight_diagnostics(batch, lp_pi, counts, cfg.ci).items():
             add(value, "-", metric, v, lo, hi)
         add(value, "-", "mean_reward_sampled", *stats.mean_interval(batch.rewards.mean(-1).numpy(), counts, cfg.ci))
         entry = {"staleness": float(value), **div, "estimators": {}}
         for name in cfg.estimators:
             hyper = cfg.hyper.get(name, {})
-            grads, metrics = replicate_gradients(policy, theta32, batch, adv, name, cfg.loss_agg_mode, hyper,
+            grads, metrics = replicate_gradients(policy, theta32, batch, adv, name, agg[name], hyper,
                                                  extras, {"group_size": G})
             scale = grad_scale(name, hyper)
-            res = gram_metrics(grads / scale, g_star.float(), counts, cfg.ci)
+            res = gram_metrics(grads / scale, g_star[name].float(), counts, cfg.ci)
             if cfg.reference == "exact" and cfg.advantage == "reward" and not estimators.info(name).inputs:
-                expected = expected_gradient(env, policy, theta_pi, theta_mu, support_mu, name, cfg.loss_agg_mode, hyper)
+                expected = expected_gradient(env, policy, theta_pi, theta_mu, support_mu, name, agg[name], hyper)
                 if expected is not None:
-                    res["exact_bias_norm"] = (float((expected / scale - g_star).norm()),) * 3
+                    res["exact_bias_norm"] = (float((expected / scale - g_star[name]).norm()),) * 3
             for metric, m_values in metrics.items():
                 res[metric] = stats.mean_interval(m_values.double().numpy(), counts, cfg.ci)
             for metric, (v, lo, hi) in res.items():
@@ -264,11 +293,11 @@ def run_study(cfg: VarianceConfig, progress: bool | None = None) -> StudyResult:
         "study": "variance",
         "env": env.name,
         "staleness": cfg.staleness,
-        "target_grad_norm": float(g_star.norm()),
+        "target_grad_norm": float(grad_j.norm()),
+        "loss_agg_modes": agg,
         "objective": float((support_pi.weights * env.expected_reward(support_pi.prompts, support_pi.tokens,
                                                                         support_pi.mask)).sum()),
-        "best_by_mse": {str(e["staleness"]): min(e["estimators"], key=lambda n: e["estimators"][n]["mse"])
-                        for e in per_value},
+        "best_by_mse": {str(e["staleness"]): best_by_mse(e["estimators"]) for e in per_value},
         "per_value": per_value,
     }
     return StudyResult(cfg, pd.DataFrame(rows), summary)

@@ -103,7 +103,10 @@ def test_coefficient_function_matches_autograd(name):
     assert torch.allclose(c, -coef * ADV * MASK / 2)
 
 
-@pytest.mark.parametrize("name", estimators.names())
+PLAIN = [n for n in estimators.names() if not estimators.info(n).inputs]  # the rest: test_estimator_properties
+
+
+@pytest.mark.parametrize("name", PLAIN)
 def test_extreme_log_ratios_stay_finite(name):
     lp = torch.tensor([[-1e4, -0.1, 0.0], [0.0, -3e3, -1.0]], requires_grad=True)
     old = torch.tensor([[0.0, -1e4, -2e3], [-1e4, 0.0, 0.0]])
@@ -113,7 +116,7 @@ def test_extreme_log_ratios_stay_finite(name):
     assert all(torch.isfinite(v) for v in metrics.values())
 
 
-@pytest.mark.parametrize("name", estimators.names())
+@pytest.mark.parametrize("name", PLAIN)
 def test_estimators_run_under_vmap(name):
     lp = torch.randn(5, 4, 3, generator=torch.Generator().manual_seed(0)).clamp(max=0)
     old = lp + 0.1 * torch.randn(5, 4, 3, generator=torch.Generator().manual_seed(1))

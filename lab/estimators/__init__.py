@@ -1,15 +1,20 @@
-"""Estimators: pure functions of tensors in one registry. ``names()``, ``get(name)``, ``info(name)``."""
-from lab.estimators import (  # noqa: F401  (modules register on import)
-    clipping,
-    distillation,
-    gated,
-    gvpo,
-    kl_penalty,
-    policy_gradient,
-    sequence_ratio,
-    truncation,
-    vespo,
-)
+"""Estimators: pure functions of tensors in one registry. ``names()``, ``get(name)``, ``info(name)``.
+
+Modules register on import, in this order (the order listings and reports use): REINFORCE and importance
+sampling, PPO clipping, truncated and masked IS, gated (CISPO, SAPO), sequence-ratio (GSPO, GMPO), VESPO, GVPO,
+KL penalties, on-policy distillation.
+"""
+# isort: off
+from lab.estimators import policy_gradient  # noqa: F401
+from lab.estimators import clipping  # noqa: F401
+from lab.estimators import truncation  # noqa: F401
+from lab.estimators import gated  # noqa: F401
+from lab.estimators import sequence_ratio  # noqa: F401
+from lab.estimators import vespo  # noqa: F401
+from lab.estimators import gvpo  # noqa: F401
+from lab.estimators import kl_penalty  # noqa: F401
+from lab.estimators import distillation  # noqa: F401
+# isort: on
 from lab.estimators.aggregation import AGG_MODES, agg_loss
 from lab.estimators.registry import EstimatorInfo, check_hyper, get, info, names, register
 

@@ -41,7 +41,8 @@ def reinforce(log_prob, old_log_prob, advantages, response_mask, loss_agg_mode="
 
 
 @register("seq_is", family="importance-sampling", source="sequence-level IS (Precup et al. 2000); verl rollout IS",
-          unbiased_for="grad J at any staleness (up to the |L| <= 20 clamp)", coefficient=identity_coefficient)
+          unbiased_for="grad J at any staleness (up to the |L| <= 20 clamp)", coefficient=identity_coefficient,
+          ratio="sequence")
 def seq_is(log_prob, old_log_prob, advantages, response_mask, loss_agg_mode="token-mean"):
     """Sequence IS: loss_t = -sg[W] A log pi(y_t|s_t), W = exp(L) = pi(y)/mu(y); grad = W A grad log pi(y)."""
     L = sequence_log_weight(log_prob, old_log_prob, response_mask)

@@ -33,23 +33,29 @@ class EstimatorInfo:
     inputs: tuple = ()  # extra named inputs, required (see the module docstring)
     optional_inputs: tuple = ()  # extra named inputs it uses when given (e.g. rollout_log_probs)
     grad_scale: Callable | None = None  # hyper -> c: on-policy, E[-grad loss] = c * grad J (None: c = 1)
+    ratio: str = "token"  # its coefficient's ratio: token rho_t, sequence W = pi(y)/mu(y), geometric W^(1/|y|)
+    loss_agg_mode: str = "token-mean"  # its own default aggregation (the one its source runs)
+    fixed_agg: bool = False  # True: its loss defines its own aggregation and ignores loss_agg_mode (GVPO)
 
 
 _REGISTRY: dict[str, EstimatorInfo] = {}
 
 
 def register(name: str, *, family: str, source: str, unbiased_for: str, coefficient: Callable | None = None,
-             inputs: tuple = (), optional_inputs: tuple = (), grad_scale: Callable | None = None):
+             inputs: tuple = (), optional_inputs: tuple = (), grad_scale: Callable | None = None,
+             ratio: str = "token", fixed_agg: bool = False):
     """Decorator: add ``fn`` to the registry; its keyword defaults (other than the named inputs) become the
     registry's hyper-parameter defaults."""
 
     def wrap(fn):
-        params = inspect.signature(fn).parameters.values()
+        signature = inspect.signature(fn).parameters
+        params = signature.values()
+        agg = signature["loss_agg_mode"].default if "loss_agg_mode" in signature else "token-mean"
         skip = {"loss_agg_mode", *inputs, *optional_inputs}
         defaults = {p.name: p.default for p in params if p.default is not inspect._empty and p.name not in skip}
         doc = (fn.__doc__ or "").strip().splitlines()
         _REGISTRY[name] = EstimatorInfo(name, fn, family, source, unbiased_for, doc[0] if doc else "", coefficient,
-                                        defaults, tuple(inputs), tuple(optional_inputs), grad_scale)
+                                        defaults, tuple(inputs), tuple(optional_inputs), grad_scale, ratio, agg, fixed_agg)
         return fn
 
     return wrap
