@@ -1,13 +1,17 @@
 """Gradients of estimator losses with respect to policy parameters.
 
-- ``replicate_gradients``: one gradient estimate per replicate batch, vectorised with torch.func
-  (vmap over replicates of grad of the loss), returned as ascent directions -grad loss, [M, D].
+- ``replicate_gradients``: one gradient estimate per replicate batch, returned as ascent directions -grad loss,
+  [M, D]. For the tabular policies every parameter a batch touches is a gathered row of logits, so torch.func
+  takes vmap over replicates of grad with respect to those gathered logits [B, T, V], and one ``index_add_``
+  scatters them into the parameter table: the same numbers as differentiating with respect to theta, without
+  materialising a dense [D] gradient per replicate more than once.
 - ``expected_gradient``: the exact expectation under mu of a per-batch estimate, by enumeration, for estimators
   whose batch loss is an average of per-sequence terms given fixed advantages (A = R, no group coupling).
 """
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch.func import grad, vmap
 
 from lab import estimators
@@ -15,21 +19,23 @@ from lab.errors import LabError
 from lab.policies import token_log_probs
 
 
-def loss_fn(policy, name: str, loss_agg_mode: str, hyper: dict, static: dict | None = None):
-    """(theta, prompts, tokens, mask, old_log_prob, advantages, extras) -> (loss, metrics) for one batch.
+def ascent_loss_fn(name: str, loss_agg_mode: str, hyper: dict, static: dict | None = None):
+    """(logits, tokens, mask, old_log_prob, advantages, extras) -> (-loss, metrics) for one batch.
 
-    ``extras`` holds the estimator's extra tensor inputs by name (see lab.estimators.registry); ``logits`` is
-    computed here from theta so that it carries the gradient; ``static`` holds non-tensor inputs (group_size).
+    The loss is negated so that its gradient is the ascent direction. ``logits`` [B, T, V] are the current
+    policy's (the estimator reads them by name if it declares them); ``extras`` holds its other extra tensor
+    inputs (see lab.estimators.registry); ``static`` its non-tensor inputs (group_size).
     """
     info = estimators.info(name)
     static = static or {}
     wanted = set(info.inputs) | set(info.optional_inputs)
 
-    def loss(theta, prompts, tokens, mask, old_log_prob, advantages, extras):
-        logits = policy.logits(theta, prompts, tokens)
+    def loss(logits, tokens, mask, old_log_prob, advantages, extras):
         log_prob = torch.log_softmax(logits, -1).gather(-1, tokens[..., None]).squeeze(-1) * mask
         named = {k: v for k, v in {**extras, "logits": logits, **static}.items() if k in wanted}
-        return info.fn(log_prob, old_log_prob, advantages, mask, loss_agg_mode=loss_agg_mode, **hyper, **named)
+        value, metrics = info.fn(log_prob, old_log_prob, advantages, mask, loss_agg_mode=loss_agg_mode, **hyper,
+                                 **named)
+        return -value, metrics
 
     return loss
 
@@ -42,40 +48,65 @@ def check_inputs(name: str, available) -> None:
 
 
 def replicate_gradients(policy, theta, batch, advantages, name, loss_agg_mode, hyper, extras=None, static=None,
-                        chunk_size=128):
+                        out=None):
     """Ascent-direction estimates [M, D] and metrics {key: [M]} for every replicate of ``batch`` ([M, B, ...]).
 
     ``extras`` maps extra input names to tensors with the replicate axis first; ``static`` to plain values.
+    ``out``, an [M, D] tensor from an earlier call, is zeroed and reused (a fresh M x D block costs more to
+    fault in than the arithmetic).
     """
     extras = extras or {}
     check_inputs(name, [*extras, *(static or {})])
-    per_batch = grad(loss_fn(policy, name, loss_agg_mode, hyper, static), has_aux=True)
-    grads, metrics = vmap(per_batch, in_dims=(None, 0, 0, 0, 0, 0, 0), chunk_size=chunk_size)(
-        theta, batch.prompts, batch.tokens, batch.mask, batch.behaviour_log_probs, advantages, extras)
-    return -grads.reshape(grads.shape[0], -1), metrics
+    V = policy.vocab_size
+    table = theta.reshape(-1, V)
+    M, R = batch.prompts.shape[0], table.shape[0]
+    rows = policy.rows(batch.prompts, batch.tokens)  # [M, B, T]
+    logits = F.embedding(rows, table)  # [M, B, T, V]: the only way the loss depends on theta
+    per_batch = grad(ascent_loss_fn(name, loss_agg_mode, hyper, static), has_aux=True)
+    g, metrics = vmap(per_batch)(logits, batch.tokens, batch.mask, batch.behaviour_log_probs, advantages, extras)
+    if out is None or out.shape != (M, R * V) or out.dtype != theta.dtype:
+        out = torch.zeros(M, R * V, dtype=theta.dtype)
+    else:
+        out.zero_()
+    index = (rows + torch.arange(M)[:, None, None] * R).reshape(-1)
+    out.view(M * R, V).index_add_(0, index, g.reshape(-1, V))
+    return out, metrics
 
 
-def loop_gradients(policy, theta, batch, advantages, name, loss_agg_mode, hyper):
-    """The same estimates with a Python loop and one backward pass per sample (the benchmark's baseline).
+def loop_gradients(policy, theta, batch, advantages, name, loss_agg_mode, hyper, extras=None, static=None):
+    """The same estimates as ``replicate_gradients``, with a Python loop of ordinary backward passes (the
+    benchmark's baseline, and the reference the tests compare the engine with).
 
-    Valid for sequence-separable losses (every mode but token-mean with variable lengths): the batch loss is
-    the sum of each sample's loss computed on a batch where the other samples' masks are zero.
+    One backward pass per sample: every estimator's batch loss but GVPO's is an aggregate of per-sequence terms
+    (``agg_loss``), so each sample's loss is computed on a one-sample batch and weighted by its share of the
+    batch loss: its token count over the batch's for token-mean, 1/B for the other modes. GVPO's loss couples
+    the samples of a group (group means of rewards and log-ratios), so estimators whose ``inputs`` include
+    ``group_size`` get one backward pass per replicate batch instead. ``extras`` and ``static`` are as for
+    ``replicate_gradients``; the logits, when the estimator reads them, are computed from theta.
     """
-    fn = estimators.get(name)
+    extras = extras or {}
+    check_inputs(name, [*extras, *(static or {})])
+    ascent_loss = ascent_loss_fn(name, loss_agg_mode, hyper, static)
+    whole_batch = "group_size" in estimators.info(name).inputs
     M, B = batch.prompts.shape
     out = torch.zeros(M, theta.numel(), dtype=theta.dtype)
     for m in range(M):
-        for i in range(B):
-            th = theta.detach().clone().requires_grad_(True)
-            only_i = torch.zeros_like(batch.mask[m])
-            only_i[i] = batch.mask[m, i]
-            log_prob = token_log_probs(policy, th, batch.prompts[m], batch.tokens[m]) * only_i
-            loss, _ = fn(log_prob, batch.behaviour_log_probs[m] * only_i, advantages[m], only_i,
-                         loss_agg_mode=loss_agg_mode, **hyper)
-            if loss_agg_mode == "token-mean":  # rescale to the full batch's token count
-                loss = loss * only_i.sum() / batch.mask[m].sum()
-            loss.backward()
-            out[m] -= th.grad.reshape(-1)
+        th = theta.detach().clone().requires_grad_(True)  # the sample gradients accumulate in th.grad
+        n_tokens = batch.mask[m].sum().clamp(min=1.0)
+        parts = [slice(0, B)] if whole_batch else [slice(i, i + 1) for i in range(B)]
+        for part in parts:
+            mask = batch.mask[m, part]
+            logits = policy.logits(th, batch.prompts[m, part], batch.tokens[m, part])
+            value, _ = ascent_loss(logits, batch.tokens[m, part], mask, batch.behaviour_log_probs[m, part],
+                                   advantages[m, part], {k: v[m, part] for k, v in extras.items()})
+            if whole_batch:
+                weight = 1.0
+            elif loss_agg_mode == "token-mean":
+                weight = mask.sum() / n_tokens
+            else:
+                weight = 1.0 / B
+            (weight * value).backward()
+        out[m] = th.grad.reshape(-1)
     return out
 
 

@@ -317,7 +317,7 @@ def answer(results: pd.DataFrame, config: dict | None = None) -> str:
     if len(best) < len(ests):
         lines.append(f"- **Lowest MSE: {' = '.join(best)}.** " + _advice(rel, ests, best, s))
     if mse[best].min() > 0.9:  # a zero gradient has MSE = ||grad J||^2 exactly
-        lines.append("- **No correction beats a zero update here**: a zero gradient has MSE ÷ ‖∇J‖² = 1. "
+        lines.append("- **Nothing does much better than a zero update here**: a zero gradient has MSE ÷ ‖∇J‖² = 1. "
                      "The lowest MSE comes from an estimate that barely moves, not from a useful gradient.")
     if "reinforce" in ests and len(values) > 1:
         base = rel["reinforce"].loc[values[0], "rel_mse"]

@@ -250,6 +250,7 @@ def run_study(cfg: VarianceConfig, progress: bool | None = None) -> StudyResult:
         rows.append({**key, "staleness": float(value), "estimator": estimator, "metric": metric, "value": float(v),
                      "lo": float(v if lo is None else lo), "hi": float(v if hi is None else hi)})
 
+    grads = None  # the [M, D] estimates, one buffer reused by every estimator and setting
     for i, value in enumerate(cfg.values):
         gen = torch.Generator().manual_seed(_seed(cfg.seed, 2, i))
         theta_mu = behaviour_params(cfg.staleness, float(value), traj, env, policy, gen, cfg.reference,
@@ -274,9 +275,9 @@ def run_study(cfg: VarianceConfig, progress: bool | None = None) -> StudyResult:
         for name in cfg.estimators:
             hyper = cfg.hyper.get(name, {})
             grads, metrics = replicate_gradients(policy, theta32, batch, adv, name, agg[name], hyper,
-                                                 extras, {"group_size": G})
+                                                 extras, {"group_size": G}, out=grads)
             scale = grad_scale(name, hyper)
-            res = gram_metrics(grads / scale, g_star[name].float(), counts, cfg.ci)
+            res = gram_metrics(grads if scale == 1 else grads / scale, g_star[name].float(), counts, cfg.ci)
             if cfg.reference == "exact" and cfg.advantage == "reward" and not estimators.info(name).inputs:
                 expected = expected_gradient(env, policy, theta_pi, theta_mu, support_mu, name, agg[name], hyper)
                 if expected is not None:
