@@ -53,7 +53,7 @@ from lab.exact import Support, exact_support
 from lab.gradients import replicate_gradients
 from lab.policies import init_params, make_policy, sequence_log_probs, token_log_probs
 from lab.staleness import optimisation_trajectory
-from lab.variance import GRADIENT_MEMORY_BUDGET, draw_batches, gram_metrics
+from lab.variance import check_gradient_memory, draw_batches, gram_metrics
 
 ESTIMATORS = ("opd", "opd_rtg", "vopd", "vopd_topk", "kl_full", "kl_topk")  # opd_rtg: opd with return_to_go=True
 TOPK = ("vopd_topk", "kl_topk")
@@ -137,12 +137,7 @@ class DistillationConfig:
             raise LabError(f"replicates must be at least 2 to measure a variance, got {self.replicates}")
         if not 0 < self.ci < 1 or self.n_boot < 10:
             raise LabError("ci must lie in (0, 1) and n_boot be at least 10")
-        D = int(np.prod(policy.shape))
-        need = self.replicates * D * 4
-        if need > GRADIENT_MEMORY_BUDGET:
-            raise LabError(f"{self.replicates} replicates x {D:,} parameters need {need / 2**30:.1f} GiB of gradient "
-                           f"estimates (budget {GRADIENT_MEMORY_BUDGET / 2**30:.0f} GiB); use fewer replicates or "
-                           f"policy markov")
+        check_gradient_memory(self.replicates, policy)
         return env
 
 

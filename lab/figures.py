@@ -50,8 +50,13 @@ def _series(results: pd.DataFrame, metric: str, estimator: str = "-") -> pd.Data
 
 
 def _staleness_axis(ax, results: pd.DataFrame) -> None:
+    kind = results["staleness_kind"].iloc[0] if "staleness_kind" in results else ""
+    staleness_axis(ax, results["staleness"], kind)
+
+
+def staleness_axis(ax, values, kind: str) -> None:
     """x = the staleness values (ticks at each), symlog/log when they span a decade, labelled by the knob."""
-    x = np.sort(pd.unique(results["staleness"].astype(float)))
+    x = np.sort(np.unique(np.asarray(values, dtype=float)))
     pos = x[x > 0]
     if len(pos) >= 2 and pos.max() / pos.min() >= 8:
         if (x <= 0).any():
@@ -65,7 +70,6 @@ def _staleness_axis(ax, results: pd.DataFrame) -> None:
     lo, hi = t.transform([x.min(), x.max()])
     pad = 0.04 * (hi - lo) if hi > lo else 0.5
     ax.set_xlim(*t.inverted().transform([lo - pad, hi + pad]))
-    kind = results["staleness_kind"].iloc[0] if "staleness_kind" in results else ""
     ax.set_xlabel(KIND_LABELS.get(kind, str(kind)))
     ax.grid(True, alpha=0.3)
 

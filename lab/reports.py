@@ -25,7 +25,7 @@ import numpy as np
 import pandas as pd
 
 from lab.errors import LabError
-from lab.runs import RUN_FILES
+from lab.runs import RUN_FILES, replace_dir
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DRIVER_PARAMS = ("out_dir",)  # set by the driver, not by users
@@ -117,17 +117,6 @@ def _check_dest(dest: Path, name: str) -> None:
         raise LabError(f"{dest} exists and is not a report folder; choose another --out")
 
 
-def _replace_dir(src: Path, dest: Path) -> None:
-    """Move ``src`` to ``dest``, swapping out an existing ``dest`` (renames only, on one file system)."""
-    if dest.exists():
-        old = Path(tempfile.mkdtemp(prefix=f".{dest.name}.old.", dir=dest.parent))
-        os.replace(dest, old / "report")
-        os.replace(src, dest)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(src, dest)
-
-
 def _one_line(text: str) -> str:
     text = re.sub(r"\x1b\[[0-9;]*m", "", str(text)).strip()
     return text.splitlines()[0] if text else ""
@@ -194,7 +183,7 @@ def run_report(name: str, params: dict | None = None, out_root: Path = Path("rep
             os.replace(stage / "run" / f, stage / f)
         (stage / "run").rmdir()
         (stage / f"{name}.html").write_text(export_html(executed, title=f"{name} report"), encoding="utf-8")
-        _replace_dir(stage, dest)
+        replace_dir(stage, dest)
     except BaseException:
         shutil.rmtree(stage, ignore_errors=True)
         for p in made:

@@ -79,17 +79,22 @@ def write_run(out: Path, config: dict, results: pd.DataFrame, summary: dict, ext
         write_json(tmp / "summary.json", summary)
         for name, writer in (extra or {}).items():
             writer(tmp / name)
-        if out.exists():
-            old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old.", dir=out.parent))
-            os.replace(out, old / "run")
-            os.replace(tmp, out)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, out)
+        replace_dir(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out
+
+
+def replace_dir(src: Path, dest: Path) -> None:
+    """Move ``src`` to ``dest``, swapping out an existing ``dest`` (renames only, on one file system)."""
+    if dest.exists():
+        old = Path(tempfile.mkdtemp(prefix=f".{dest.name}.old.", dir=dest.parent))
+        os.replace(dest, old / "previous")
+        os.replace(src, dest)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(src, dest)
 
 
 def load_run(path: Path) -> tuple[dict, pd.DataFrame, dict]:

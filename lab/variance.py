@@ -114,12 +114,7 @@ class VarianceConfig:
             raise LabError("trajectory steps must be >= 0 and the learning rate a positive number")
         if not 0 < self.ci < 1 or self.n_boot < 10:
             raise LabError("ci must lie in (0, 1) and n_boot be at least 10")
-        D = int(np.prod(make_policy(self.policy, env).shape))
-        need = self.replicates * D * 4
-        if need > GRADIENT_MEMORY_BUDGET:
-            raise LabError(f"{self.replicates} replicates x {D:,} parameters need {need / 2**30:.1f} GiB of gradient "
-                           f"estimates (budget {GRADIENT_MEMORY_BUDGET / 2**30:.0f} GiB); use fewer replicates or "
-                           f"--policy markov")
+        check_gradient_memory(self.replicates, make_policy(self.policy, env))
         return env
 
 
@@ -146,6 +141,16 @@ def grad_scale(name: str, hyper: dict) -> float:
     """c with E[-grad loss] = c * grad J on-policy (GVPO: beta); estimates are divided by it before comparison."""
     info = estimators.info(name)
     return 1.0 if info.grad_scale is None else float(info.grad_scale({**info.defaults, **hyper}))
+
+
+def check_gradient_memory(replicates: int, policy) -> None:
+    """Refuse a study whose [M, D] float32 gradient estimates would not fit the budget."""
+    D = int(np.prod(policy.shape))
+    need = replicates * D * 4
+    if need > GRADIENT_MEMORY_BUDGET:
+        raise LabError(f"{replicates} replicates x {D:,} parameters need {need / 2**30:.1f} GiB of gradient "
+                       f"estimates (budget {GRADIENT_MEMORY_BUDGET / 2**30:.0f} GiB); use fewer replicates or "
+                       f"the markov policy")
 
 
 def _seed(*parts: int) -> int:

@@ -34,10 +34,10 @@ import numpy as np
 import pandas as pd
 import torch
 from matplotlib.figure import Figure
-from matplotlib.ticker import FixedFormatter, FixedLocator, NullLocator
 
 import toy_envs
 from lab.errors import LabError
+from lab.figures import KIND_LABELS, staleness_axis
 from lab.estimators import vespo as V
 from lab.estimators.aggregation import target_scale
 from lab.exact import divergence, exact_support, policy_gradient
@@ -49,8 +49,6 @@ from lab.variance import VarianceConfig, _seed, grad_scale, run_study
 DEFAULT_KERNELS = ([2.0, 3.0], [3.0, 2.0], [1.0, 1.0], [1.0, 3.0], [1.5, 1.0], [2.0, 1.0], [4.0, 2.0], [0.5, 1.0])
 TOLERANCE = 1e-9  # float64 rounding: a ratio above 1 + TOLERANCE counts as a violation
 VARIANCE_ESTIMATORS = ("vespo", "seq_is", "ppo_clip", "reinforce")  # this order gives lab.figures' colours below
-KIND_TITLES = {"lag": "lag (optimiser steps between μ and π)", "kl": "target per-token KL(μ‖π)",
-               "temperature": "sampling temperature of μ"}
 COLORS = {"vespo": "#1f77b4", "seq_is": "#d62728", "ppo_clip": "#2ca02c", "reinforce": "#ff7f0e"}
 POS_COLOR, NEG_COLOR = "#1f77b4", "#ff7f0e"
 
@@ -420,25 +418,6 @@ def kernel_figure(pos=(V.K_POS, V.LAMBDA_POS), neg=(V.K_NEG, V.LAMBDA_NEG)) -> F
     return fig
 
 
-def _x_axis(ax, values, kind) -> None:
-    x = np.sort(np.unique(np.asarray(values, dtype=float)))
-    pos = x[x > 0]
-    if len(pos) >= 2 and pos.max() / pos.min() >= 8:
-        if (x <= 0).any():
-            ax.set_xscale("symlog", linthresh=pos.min(), linscale=0.6)
-        else:
-            ax.set_xscale("log")
-    ax.xaxis.set_major_locator(FixedLocator(x))
-    ax.xaxis.set_minor_locator(NullLocator())
-    ax.xaxis.set_major_formatter(FixedFormatter([f"{v:g}" for v in x]))
-    t = ax.xaxis.get_transform()  # pad 4% either side in display space, so every value shows
-    lo, hi = t.transform([x.min(), x.max()])
-    pad = 0.04 * (hi - lo) if hi > lo else 0.5
-    ax.set_xlim(*t.inverted().transform([lo - pad, hi + pad]))
-    ax.set_xlabel(KIND_TITLES.get(kind, kind))
-    ax.grid(True, alpha=0.3)
-
-
 def bound_figure(bound: pd.DataFrame) -> Figure:
     """E_mu[phi²] / (Z K C) against each staleness knob, one line per kernel with finite K (median over random
     policies, band: min to max). Every point at or below 1 means the bound held."""
@@ -459,8 +438,8 @@ def bound_figure(bound: pd.DataFrame) -> Figure:
             ax.fill_between(med.index, lo.values, hi.values, color=cmap[i % len(cmap)], alpha=0.12, lw=0)
         ax.axhline(1.0, color="black", lw=1.2, ls="--")
         ax.text(0.01, 1.0, " bound: ratio = 1", transform=ax.get_yaxis_transform(), va="bottom", fontsize=8)
-        _x_axis(ax, sub["staleness"], kind)
-        ax.set_title(KIND_TITLES[kind].split(" (")[0], fontsize=10)
+        staleness_axis(ax, sub["staleness"], kind)
+        ax.set_title(KIND_LABELS[kind].split(" (")[0], fontsize=10)
     axes[0].set_ylabel("E_μ[φ(W)²] ÷ (Z·K·C)")
     axes[0].set_ylim(0, 1.12)
     fig.legend(*axes[0].get_legend_handles_labels(), loc="outside lower center", ncols=4, frameon=False, fontsize=8.5)
@@ -489,7 +468,7 @@ def second_moment_figure(bound: pd.DataFrame, kind: str = "lag") -> Figure:
         ax.plot(g["staleness"], g["bound"], "--", color=color, lw=1.2,
                 label=f"its bound Z·K·C (K = {g['K'].iloc[0]:.3g})")
     ax.set_yscale("log")
-    _x_axis(ax, sub["staleness"], kind)
+    staleness_axis(ax, sub["staleness"], kind)
     ax.set_ylabel("second moment of the coefficient under μ")
     ax.legend(frameon=False, fontsize=8)
     ax.set_title("Second moments: the weight IS multiplies by, against VESPO's φ and its bound", fontsize=10.5)
@@ -531,7 +510,7 @@ def comparison_figure(comp: pd.DataFrame) -> Figure:
         ax.set_title("is the bias a direction or a step size?", fontsize=10)
         ax.legend(frameon=False, fontsize=7.5, loc="lower left")
     for ax in axes:
-        _x_axis(ax, x, "lag")
+        staleness_axis(ax, x, "lag")
         ax.set_xlabel("lag (optimiser steps)")
     axes[0].legend(frameon=False, fontsize=8)
     fig.suptitle("VESPO against sequence IS as rollouts go stale (shaded: 95% bootstrap interval over batches; "
