@@ -6,16 +6,11 @@
     .venv/bin/python benchmarks/bench_variance_engine.py --quick      # smoke test; exits 1 on disagreement
     .venv/bin/python benchmarks/bench_variance_engine.py --json out.json
 
-Engine: ``lab.gradients.replicate_gradients``, called as ``lab.variance.run_study`` calls it (one [M, D] output
-buffer reused across calls). Baseline: ``lab.gradients.loop_gradients``, one ordinary backward pass per sample
-(per replicate batch for GVPO, whose loss couples a group's samples). Both see the same batches, built as the
-engine builds them (``draw_batches`` from mu = pi + logit noise, group advantages broadcast over the mask, float32
-theta), in the same process. Sections:
-  1. agreement of engine and loop for every registered estimator, dense rewards (exit 1 beyond the tolerance);
-  2. speed, loop / engine at B x M = 64 x 1000 (the loop timed on a subset of replicates and scaled to M);
-  3. the engine's cost per replicate as V, T, B and M vary;
-  4. where the engine's time goes (torch.profiler, one call).
-Times are medians of a few calls after a warm-up. Read ratios, not absolute times.
+Engine: ``lab.gradients.replicate_gradients``, called as ``lab.variance.run_study`` calls it (reusing one [M, D]
+output). Baseline: ``lab.gradients.loop_gradients`` (one backward pass per sample; per replicate for GVPO). Both
+run in this process on the same batches, built as run_study builds them. Sections: 1. agreement for every
+registered estimator (exit 1 beyond the tolerance); 2. speed, loop / engine at B x M = 64 x 1000; 3. the engine's
+cost per replicate against V, T, B and M; 4. where its time goes (torch.profiler). Read ratios, not absolute times.
 """
 from __future__ import annotations
 
@@ -59,20 +54,12 @@ class Setup:
     batch: Batch  # [M, B, ...]
     adv: torch.Tensor  # [M, B, T]
     extras: dict  # every extra tensor input an estimator may take, replicate axis first
-    static: dict
 
     def args(self, name, mode=MODE, n=None):
         """Positional arguments of replicate_gradients / loop_gradients for the first n replicates."""
         b, s = self.batch, slice(n)
         batch = Batch(b.prompts[s], b.tokens[s], b.mask[s], b.behaviour_log_probs[s], b.rewards[s], b.group_size)
         return self.policy, self.theta, batch, self.adv[s], name, mode, {}
-
-    def inputs(self, name, optional=False):
-        """extras= and static= for estimator ``name``: its required inputs (and its optional ones if asked)."""
-        info = estimators.info(name)
-        want = set(info.inputs) | (set(info.optional_inputs) if optional else set())
-        return ({k: v for k, v in self.extras.items() if k in want},
-                {k: v for k, v in self.static.items() if k in want})
 
 
 def make_setup(env_name: str, policy_kind: str, M: int, b: int = B, **overrides) -> Setup:
@@ -95,8 +82,7 @@ def make_setup(env_name: str, policy_kind: str, M: int, b: int = B, **overrides)
                   "ref_log_prob": token_log_probs(policy, (theta_pi + noise(0.5)).float(), p, t) * mask,
                   "rollout_log_probs": token_log_probs(policy, (theta_mu + noise(0.1)).float(), p, t) * mask,
                   "rewards": batch.rewards}
-    label = f"{env_name}[{','.join(f'{k}={v}' for k, v in overrides.items())}]" if overrides else env_name
-    return Setup(f"{label}/{policy_kind}", policy, theta_pi.float(), batch, adv, extras, {"group_size": G})
+    return Setup(f"{env_name}/{policy_kind}", policy, theta_pi.float(), batch, adv, extras)
 
 
 def median_time(fn, repeats: int):
@@ -120,10 +106,12 @@ def ms(seconds: float) -> str:
     return f"{seconds * 1e3:.3g}" if seconds < 1 else f"{seconds * 1e3:,.0f}"
 
 
-def table(title: str, header: list, rows: list, notes=()) -> None:
+def table(title: str, header: list, rows: list, notes=(), left=(0,)) -> None:
+    """Print a table; columns whose index is in ``left`` are left-aligned, the others right-aligned."""
     cells = [[str(c) for c in r] for r in rows]
     widths = [max([len(h)] + [len(r[i]) for r in cells]) for i, h in enumerate(header)]
-    fmt = lambda r: "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))  # noqa
+    fmt = lambda r: "  ".join(c.ljust(w) if i in left else c.rjust(w)  # noqa: E731
+                              for i, (c, w) in enumerate(zip(r, widths)))
     print(f"\n{title}\n{fmt(header)}\n{'  '.join('-' * w for w in widths)}")
     print("\n".join(fmt(r) for r in cells))
     print("".join(f"  {n}\n" for n in notes), end="", flush=True)
@@ -132,86 +120,78 @@ def table(title: str, header: list, rows: list, notes=()) -> None:
 # ---------------------------------------------------------------------------------------------------------------
 def agreement(p, results) -> bool:
     """Engine vs loop for every registered estimator (and again with its optional inputs), dense rewards."""
-    worst = {}  # row label -> summary over every (setting, mode)
+    checks = {}  # (estimator, extra inputs given) -> [(comparison, where)]
+    for name in estimators.names():
+        info = estimators.info(name)
+        checks[name, info.inputs] = []
+        if info.optional_inputs:
+            checks[name, info.inputs + info.optional_inputs] = []
     for env_name, policy_kind, modes in AGREEMENT_CASES:
         s = make_setup(env_name, policy_kind, p.check_reps, reward="dense")
         for mode in modes:
-            for name in estimators.names():
-                variants = [False] + ([True] if estimators.info(name).optional_inputs else [])
-                for optional in variants:
-                    extras, static = s.inputs(name, optional)
-                    args = s.args(name, mode)
-                    cmp = compare(replicate_gradients(*args, extras=extras, static=static)[0],
-                                  loop_gradients(*args, extras=extras, static=static))
-                    label = name + (" +" + ",".join(estimators.info(name).optional_inputs) if optional else "")
-                    results["agreement"].append({"setting": s.label, "mode": mode, "estimator": label, **cmp})
-                    w = worst.setdefault(label, {"name": name, "n": 0, "fail": 0, "scales": [], "cmp": None})
-                    w["n"] += 1
-                    w["fail"] += not cmp["ok"]
-                    w["scales"].append(cmp["grad_scale"])
-                    if w["cmp"] is None or cmp["err"] > w["cmp"]["err"]:
-                        w["cmp"], w["where"] = cmp, f"{s.label} {mode}"
+            for (name, given), found in checks.items():
+                extras = {k: v for k, v in s.extras.items() if k in given}  # "logits" come from theta
+                static = {"group_size": G} if "group_size" in given else {}
+                args = s.args(name, mode)
+                cmp = compare(replicate_gradients(*args, extras=extras, static=static)[0],
+                              loop_gradients(*args, extras=extras, static=static))
+                found.append((cmp, f"{s.label} {mode}"))
+                results["agreement"].append({"setting": s.label, "mode": mode, "estimator": name,
+                                             "inputs": list(given), **cmp})
     rows = []
-    for label, w in worst.items():
-        info, cmp = estimators.info(w["name"]), w["cmp"]
-        per = "replicate" if "group_size" in info.inputs else "sample"
-        rows.append([label, ",".join(k for k in info.inputs if k != "group_size") or "-", per, w["n"],
-                     f"{min(w['scales']):.2g}-{max(w['scales']):.2g}", f"{cmp['max_abs_diff']:.1e}",
-                     f"{cmp['err']:.1e}", w["where"] if cmp["max_abs_diff"] > 0 else "(bit-identical)",
-                     "ok" if not w["fail"] else f"FAIL x{w['fail']}"])
-    n_pairs = sum(len(m) for *_, m in AGREEMENT_CASES)
-    table(f"1. Agreement, engine vs loop_gradients: every registered estimator on {n_pairs} (setting, loss_agg_mode) "
-          f"pairs, {p.check_reps} replicate(s) x B={B}; tolerance {TOL:g}",
+    for (name, given), found in checks.items():
+        cmp, where = max(found, key=lambda c: c[0]["err"])
+        fails = sum(not c["ok"] for c, _ in found)
+        scales = [c["grad_scale"] for c, _ in found]
+        rows.append([name, ",".join(given) or "-", "replicate" if "group_size" in given else "sample", len(found),
+                     f"{min(scales):.2g}-{max(scales):.2g}", f"{cmp['max_abs_diff']:.1e}", f"{cmp['err']:.1e}",
+                     where if cmp["max_abs_diff"] > 0 else "(bit-identical)", f"FAIL x{fails}" if fails else "ok"])
+    table(f"1. Agreement, engine vs loop_gradients, every registered estimator: {p.check_reps} replicate(s) x B={B} "
+          f"per (setting, mode); tolerance {TOL:g}",
           ["estimator", "extra inputs", "backward per", "checks", "max|g|", "max|diff|", "err", "worst case", ""],
           rows,
-          [f"err = max|engine - loop| / max(1, max|loop|) over replicates and parameters (worst pair shown; every "
-           "pair is in --json).",
-           "Settings: tiny_target/prefix (all modes), tiny_target/markov, medium_target/prefix and markov, "
-           "small_eos/markov (variable length),",
-           f"all with reward=dense so the advantages are nonzero; mu = pi + N(0, {MU_NOISE}^2) logit noise. "
-           "'+rollout_log_probs': the same estimator",
-           "given its optional input (sampler log-probs from mu + N(0, 0.1^2)). Teacher = pi + N(0, 1), reference "
-           "= pi + N(0, 0.5^2)."])
-    return all(not w["fail"] for w in worst.values())
+          ["err = max|engine - loop| / max(1, max|loop|); the worst (setting, mode) is shown, all are in --json. "
+           "Settings: tiny_target/prefix (all",
+           "modes), tiny_target/markov, medium_target/prefix and /markov, small_eos/markov (variable length; two "
+           "modes), all with reward=dense",
+           f"(nonzero advantages). mu = pi + N(0, {MU_NOISE}^2) logit noise; teacher pi + N(0, 1); reference "
+           "pi + N(0, 0.5^2); rollout_log_probs",
+           "(an optional input: checked without and with it) from mu + N(0, 0.1^2)."],
+          left=(0, 1, 2, 7))
+    return not any(row[-1] != "ok" for row in rows)
 
 
 def speed(p, results) -> bool:
     rows, all_ok = [], True
     for env_name, policy_kind in SPEED_CASES:
         s = make_setup(env_name, policy_kind, p.M)
-        nonzero = float((s.adv != 0).float().mean())
-        buffer = None
+        D, nonzero = s.theta.numel(), float((s.adv != 0).float().mean())
+        buffer = torch.empty(p.M, D)  # run_study reuses one output buffer across estimators
         for name in DEFAULT_ESTIMATORS:
-            def engine():
-                nonlocal buffer
-                buffer = replicate_gradients(*s.args(name), out=buffer)[0]
-            t_eng, times = median_time(engine, p.repeats)
+            t_eng, times = median_time(lambda: replicate_gradients(*s.args(name), out=buffer), p.repeats)
             loop_gradients(*s.args(name, n=1))  # warm-up
             t0 = time.perf_counter()
             g_loop = loop_gradients(*s.args(name, n=p.loop_reps))
-            t_loop_sub = time.perf_counter() - t0
-            t_loop = t_loop_sub / p.loop_reps * p.M  # replicates are independent: scale linearly to M
+            t_sub = time.perf_counter() - t0
+            ratio = t_sub / p.loop_reps * p.M / t_eng  # replicates are independent: the loop scales linearly in M
             cmp = compare(buffer[:p.loop_reps], g_loop)
             all_ok &= cmp["ok"]
-            ratio = t_loop / t_eng
-            results["speed"].append({"setting": s.label, "D": s.theta.numel(), "estimator": name, "M": p.M, "B": B,
+            results["speed"].append({"setting": s.label, "D": D, "estimator": name, "M": p.M, "B": B,
                                      "engine_s": t_eng, "engine_times_s": times, "loop_replicates": p.loop_reps,
-                                     "loop_measured_s": t_loop_sub, "loop_scaled_s": t_loop, "ratio": ratio, **cmp})
-            rows.append([s.label, f"{s.theta.numel():,}", f"{nonzero:.2f}", name, ms(t_eng / p.M),
-                         f"{max(times) / min(times):.2f}", ms(t_loop_sub / p.loop_reps), f"{ratio:,.0f}x",
-                         "" if ratio >= TARGET_RATIO else f"< {TARGET_RATIO:.0f}x target",
+                                     "loop_measured_s": t_sub, "ratio": ratio, **cmp})
+            rows.append([s.label, f"{D:,}", f"{nonzero:.2f}", name, ms(t_eng / p.M), f"{max(times) / min(times):.2f}",
+                         ms(t_sub / p.loop_reps), f"{ratio:,.0f}x", "" if ratio >= TARGET_RATIO else "BELOW TARGET",
                          f"{cmp['max_abs_diff']:.1e}", "ok" if cmp["ok"] else "FAIL"])
-        del s, buffer
-    table(f"2. Speed: loop / engine at B x M = {B} x {p.M} (G={G}, {MODE}, float32; target {TARGET_RATIO:.0f}x)",
+    table(f"2. Speed: loop / engine at B x M = {B} x {p.M} (G={G}, {MODE}, float32); target {TARGET_RATIO:.0f}x",
           ["setting", "D", "adv!=0", "estimator", "engine ms/rep", "spread", "loop ms/rep", "loop/engine", "",
            "max|diff|", ""], rows,
-          [f"engine: replicate_gradients on all {p.M} replicates into a reused [M, D] buffer, median of {p.repeats} "
-           "calls after a warm-up; spread = slowest / fastest call.",
-           f"loop: loop_gradients timed once on the first {p.loop_reps} of the {p.M} replicates "
-           f"({p.loop_reps * B:,} backward passes) after a warm-up, and scaled by {p.M}/{p.loop_reps}.",
-           f"max|diff|: engine vs loop on those {p.loop_reps} replicates. adv!=0: share of nonzero advantages (the "
-           "exact-match rewards are mostly 0 at a",
-           "random policy; section 1 checks with dense rewards; the cost does not depend on the values)."])
+          [f"engine: all {p.M} replicates into a reused [M, D] buffer, median of {p.repeats} calls after a warm-up "
+           "(spread = slowest / fastest call).",
+           f"loop: timed once on the first {p.loop_reps} of the {p.M} replicates ({p.loop_reps * B:,} backward "
+           f"passes) after a warm-up, scaled by {p.M}/{p.loop_reps}; max|diff| is on those.",
+           "adv!=0: share of nonzero advantages (exact-match rewards are mostly 0 at a random policy; the cost "
+           "does not depend on the values)."],
+          left=(0, 3, 8))
     return all_ok
 
 
@@ -229,7 +209,6 @@ def scaling(p, results) -> None:
                 per[policy_kind, value] = (s.theta.numel(), t / cfg["M"], max(times) / min(times) > 1.5)
                 results["scaling"].append({"vary": knob, "policy": policy_kind, **cfg, "D": s.theta.numel(),
                                            "engine_s": t, "engine_times_s": times})
-                del s, buffer
         rows = []
         for value in values:
             row = [value]
@@ -258,8 +237,8 @@ def where_time_goes(p, results) -> None:
           ["op", "calls", "self ms", "share"],
           [[e.key, e.count, f"{e.self_cpu_time_total / 1e3:.1f}", f"{100 * e.self_cpu_time_total / total:.0f}%"]
            for e in ops[:6]],
-          [f"The [M, D] float32 output is {p.M * s.theta.numel() * 4 / 2**30:.2f} GiB: zeroing it and the index_add_ "
-           "scatter are memory-bound; the rest is the vmapped loss and its gradient w.r.t. the gathered logits."])
+          [f"scatter_add_: the index_add_ of the logit gradients into the [M, D] output "
+           f"({p.M * s.theta.numel() * 4 / 2**30:.2f} GiB); fill_: zeroing it and vmap's buffers."])
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -289,35 +268,26 @@ def main(argv=None) -> int:
     p = parse(argv)
     if p.threads:
         torch.set_num_threads(p.threads)
-    t_start = time.perf_counter()
-    meta = {"mode": "quick" if p.quick else "full", "torch": torch.__version__, "python": platform.python_version(),
-            "platform": platform.platform(), "cpu_count": os.cpu_count(), "threads": torch.get_num_threads(),
-            "load_start": load(), "M": p.M, "B": B, "G": G, "repeats": p.repeats, "loop_replicates": p.loop_reps,
-            "tolerance": TOL}
-    print(f"bench_variance_engine ({meta['mode']}): torch {meta['torch']}, python {meta['python']}, "
-          f"{meta['platform']}\ntorch threads {meta['threads']}, {meta['cpu_count']} CPUs, load average "
-          f"{meta['load_start']}")
-    if os.getloadavg()[0] > (os.cpu_count() or 1) and meta["threads"] > 1:
-        print("WARNING: the machine is busy and torch uses several threads: times will be inflated and noisy; "
-              "prefer --threads 1.")
+    meta = {"mode": "quick" if p.quick else "full", "torch": torch.__version__, "platform": platform.platform(),
+            "threads": torch.get_num_threads(), "cpus": os.cpu_count(), "load_start": load(), "M": p.M, "B": B,
+            "G": G, "repeats": p.repeats, "loop_replicates": p.loop_reps, "tolerance": TOL}
+    print(f"bench_variance_engine ({meta['mode']}): torch {meta['torch']}, {meta['platform']}; {meta['threads']} "
+          f"torch thread(s), {meta['cpus']} CPUs, load average {meta['load_start']}")
     results = {"meta": meta, "agreement": [], "speed": [], "scaling": [], "profile": []}
-    ok = True
+    t_start, ok = time.perf_counter(), True
     for section in (agreement, speed, scaling, where_time_goes):
         t0 = time.perf_counter()
         ok &= section(p, results) is not False
-        meta[f"{section.__name__}_wall_s"] = time.perf_counter() - t0
-        print(f"  [{section.__name__}: {meta[f'{section.__name__}_wall_s']:.0f} s, load average {load()}]")
+        meta[f"{section.__name__}_s"] = time.perf_counter() - t0
+        print(f"  [{section.__name__}: {meta[f'{section.__name__}_s']:.0f} s, load average {load()}]")
     meta["wall_s"], meta["all_agree"] = time.perf_counter() - t_start, ok
-    print(f"\nwall time {meta['wall_s']:.0f} s; load average at end {load()}")
+    print(f"\nwall time {meta['wall_s']:.0f} s")
     if p.json:
-        Path(p.json).parent.mkdir(parents=True, exist_ok=True)
         Path(p.json).write_text(json.dumps(results, indent=1))
         print(f"numbers written to {p.json}")
-    if not ok:
-        print(f"FAIL: engine and loop disagree beyond {TOL:g} (rows marked FAIL)")
-        return 1
-    print(f"all agreement checks passed (tolerance {TOL:g})")
-    return 0
+    print(f"all agreement checks passed (tolerance {TOL:g})" if ok else
+          f"FAIL: engine and loop disagree beyond {TOL:g} (rows marked FAIL)")
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

@@ -36,6 +36,14 @@ def _pairs(items, what: str) -> dict:
     return out
 
 
+def _bool(text: str) -> bool:
+    if text.lower() in ("1", "true", "yes"):
+        return True
+    if text.lower() in ("0", "false", "no"):
+        return False
+    raise LabError(f"expected true or false, got {text!r}")
+
+
 def _list(text: str, cast):
     try:
         return [cast(x) for x in text.split(",") if x.strip()]
@@ -69,12 +77,7 @@ def cmd_variance(args) -> int:
     from lab.runs import check_out_dir, write_run
     from lab.variance import VarianceConfig, config_dict, run_study
 
-    hyper: dict = {}
-    for key, v in _pairs(args.hyper, "--hyper").items():
-        if "." not in key:
-            raise LabError(f"--hyper must look like estimator.name=value, got {key!r}")
-        est, name = key.split(".", 1)
-        hyper.setdefault(est, {})[name] = v
+    hyper = _hyper(args.hyper)
     cfg = VarianceConfig(
         env=args.env, env_overrides=_pairs(args.set, "--set"), policy=args.policy, staleness=args.staleness,
         values=_list(args.values, float), estimators=_list(args.estimators, str), hyper=hyper,
@@ -88,6 +91,33 @@ def cmd_variance(args) -> int:
     write_run(out, {"command": "variance", **config_dict(cfg)}, result.results, result.summary)
     best = ", ".join(f"{k}: {v or 'none beats a zero update'}" for k, v in result.summary["best_by_mse"].items())
     print(f"wrote {out} ({len(result.results)} rows); lowest MSE per {cfg.staleness} value: {best}")
+    return 0
+
+
+def _hyper(items) -> dict:
+    """--hyper EST.KEY=VALUE pairs as {estimator: {key: value}}."""
+    hyper: dict = {}
+    for key, v in _pairs(items, "--hyper").items():
+        if "." not in key:
+            raise LabError(f"--hyper must look like estimator.name=value, got {key!r}")
+        est, name = key.split(".", 1)
+        hyper.setdefault(est, {})[name] = v
+    return hyper
+
+
+def cmd_train(args) -> int:
+    from lab.runs import check_out_dir, write_run
+    from lab.training import TrainConfig, config_dict, train
+
+    values = {f.name: getattr(args, f.name) for f in fields(TrainConfig)
+              if not callable(f.default_factory) and getattr(args, f.name, None) is not None}
+    hyper = _pairs(args.hyper, "--hyper")
+    cfg = TrainConfig(**values, env_overrides=_pairs(args.set, "--set"), hyper=hyper)
+    out = Path(args.out or f"runs/train/{cfg.env}-{cfg.estimator}-N{cfg.minibatches}-{cfg.regime}-seed{cfg.seed}")
+    check_out_dir(out)
+    result = train(cfg)
+    write_run(out, {"command": "train", **config_dict(cfg)}, result.table, result.summary)
+    print(f"wrote {out} ({len(result.table)} updates); {result.summary.get('headline', '')}")
     return 0
 
 
@@ -140,6 +170,20 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--seed", type=int, default=d["seed"])
     v.add_argument("--out", default=None, help="run folder (default runs/variance/ENV-KIND-seedN)")
     v.set_defaults(func=cmd_variance)
+
+    from lab.training import TrainConfig
+
+    t = sub.add_parser("train", help="one training run under staleness (sync mini-batching, async lag, mismatch)")
+    for f in fields(TrainConfig):
+        if callable(f.default_factory):
+            continue
+        kind = {bool: _bool, int: int, float: float}.get(type(f.default), str)
+        t.add_argument("--" + f.name.replace("_", "-"), dest=f.name, type=kind, default=None,
+                       help=f"default {f.default}")
+    t.add_argument("--set", action="append", metavar="KEY=VALUE", help="override an env field, e.g. length=6")
+    t.add_argument("--hyper", action="append", metavar="KEY=VALUE", help="estimator hyper-parameter, e.g. cap=3")
+    t.add_argument("--out", default=None, help="run folder (default runs/train/ENV-EST-N-REGIME-seedS)")
+    t.set_defaults(func=cmd_train)
 
     r = sub.add_parser("report", help="execute a report notebook into reports/ with an HTML export")
     r.add_argument("name", nargs="?", help="report name")

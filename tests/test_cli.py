@@ -99,3 +99,18 @@ def test_listing_commands():
     for name in ["reinforce", "seq_is", "token_is", "ppo_clip"]:
         assert name in ests.stdout
     assert "clip_ratio_high=0.2" in ests.stdout
+
+
+def test_train_writes_a_run_folder_and_rejects_bad_input(tmp_path, capsys):
+    out = tmp_path / "train"
+    assert main(["train", "--steps", "3", "--minibatches", "2", "--estimator", "seq_is", "--out", str(out)]) == 0
+    config = json.loads((out / "config.json").read_text())
+    assert config["minibatches"] == 2 and config["estimator"] == "seq_is"
+    table = pd.read_parquet(out / "results.parquet")
+    assert len(table) == 3 * 2  # steps x mini-batches updates
+    capsys.readouterr()
+    bad = tmp_path / "bad"
+    assert main(["train", "--minibatches", "5", "--out", str(bad)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "do not divide the rollout batch" in err[0]
+    assert not bad.exists()
