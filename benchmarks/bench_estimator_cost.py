@@ -4,7 +4,7 @@ Each estimator runs forward and backward (the gradient with respect to the token
 logits where it reads them) on one batch of B responses of T tokens; the time is the median of several calls
 after a warm-up, and the ratio divides it by REINFORCE's time measured in the same run on the same tensors.
 
-    .venv/bin/python benchmarks/bench_estimator_cost.py            # B x T = 64 x 512, V = 4096 for distillation
+    .venv/bin/python benchmarks/bench_estimator_cost.py            # B x T = 64 x 256, V = 1024 for distillation
     .venv/bin/python benchmarks/bench_estimator_cost.py --quick    # small sizes, a few seconds
 """
 from __future__ import annotations
@@ -68,8 +68,12 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="small sizes for a smoke run")
     p.add_argument("--json", help="write the numbers to this file")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch threads (default 1: on a shared or busy machine a multi-threaded elementwise op waits "
+                        "for descheduled workers and its time says more about the load than the estimator)")
     args = p.parse_args(argv)
-    B, T, V, G, repeats = (16, 64, 256, 4, 5) if args.quick else (64, 512, 4096, 8, 15)
+    torch.set_num_threads(args.threads)
+    B, T, V, G, repeats = (16, 64, 256, 4, 5) if args.quick else (64, 256, 1024, 8, 15)
     x = make_inputs(B, T, V, G)
     g = torch.Generator().manual_seed(1)
     x["tokens"] = torch.randint(V, (B, T), generator=g)
