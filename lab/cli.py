@@ -121,6 +121,16 @@ def cmd_train(args) -> int:
     return 0
 
 
+def cmd_sweep(args) -> int:
+    from lab.sweep import load_spec, run_sweep
+
+    spec = load_spec(args.spec)
+    out = Path(args.out or f"runs/sweeps/{spec.name}")
+    counts = run_sweep(spec, out, executor=args.executor, workers=args.workers, address=args.address)
+    print(f"wrote {out}: {counts['done']} cells run, {counts['skipped']} already done, {counts['total']} in all")
+    return 0
+
+
 def cmd_report(args) -> int:
     from lab import reports
 
@@ -184,6 +194,14 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--hyper", action="append", metavar="KEY=VALUE", help="estimator hyper-parameter, e.g. cap=3")
     t.add_argument("--out", default=None, help="run folder (default runs/train/ENV-EST-N-REGIME-seedS)")
     t.set_defaults(func=cmd_train)
+
+    w = sub.add_parser("sweep", help="many training runs from a YAML grid; resumable; local pool or Ray")
+    w.add_argument("spec", help="sweep spec (YAML with name, base, grid; see sweeps/example.yaml)")
+    w.add_argument("--executor", default="local", help="local (process pool) | ray")
+    w.add_argument("--workers", type=int, default=None, help="parallel workers (default: all CPUs)")
+    w.add_argument("--address", default=None, help="Ray cluster address (default: a local Ray instance)")
+    w.add_argument("--out", default=None, help="results folder (default runs/sweeps/NAME); rerun to resume")
+    w.set_defaults(func=cmd_sweep)
 
     r = sub.add_parser("report", help="execute a report notebook into reports/ with an HTML export")
     r.add_argument("name", nargs="?", help="report name")

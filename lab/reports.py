@@ -83,6 +83,12 @@ REPORTS: dict[str, Report] = {
         "On-policy distillation: vanilla OPD, vOPD (full and top-k baselines), full-vocabulary and top-k KL: bias "
         "against both targets, variance, and the baseline's variance reduction.",
         smoke={"vocab_size": 8, "length": 2, "replicates": 40, "k_values": [2], "teacher_steps": 3}),
+    "staleness_training": Report(
+        "notebooks/staleness_training.ipynb",
+        "Training under staleness: final reward, collapse rate and probability of improvement per correction as "
+        "mini-batch staleness N, the async bound eta and sampler mismatch grow, beside VESPO's table.",
+        smoke={"estimators": ["reinforce", "ppo_clip", "vespo"], "minibatches": [1, 4], "seeds": [0, 1], "steps": 4,
+               "etas": [0, 2], "noise_levels": [0.0, 0.5], "n_boot": 200}),
 }
 
 

@@ -114,3 +114,16 @@ def test_train_writes_a_run_folder_and_rejects_bad_input(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "do not divide the rollout batch" in err[0]
     assert not bad.exists()
+
+
+def test_sweep_command_runs_and_resumes(tmp_path, capsys):
+    spec = tmp_path / "tiny.yaml"
+    spec.write_text("name: tiny\nbase: {steps: 2, rollout_batch: 16, group_size: 4}\n"
+                    "grid: {estimator: [reinforce, seq_is], seed: [0, 1]}\n")
+    out = tmp_path / "sweep"
+    assert main(["sweep", str(spec), "--workers", "1", "--out", str(out)]) == 0
+    assert "4 cells run, 0 already done" in capsys.readouterr().out
+    assert main(["sweep", str(spec), "--out", str(out)]) == 0
+    assert "0 cells run, 4 already done" in capsys.readouterr().out
+    assert main(["sweep", str(spec), "--executor", "dask", "--out", str(out)]) == 2
+    assert "unknown executor" in capsys.readouterr().err

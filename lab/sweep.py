@@ -1,0 +1,363 @@
+"""Resumable training sweeps: the Cartesian product of a grid of ``TrainConfig`` fields, run on a local process
+pool or on Ray (one machine or a cluster), one folder per cell.
+
+A spec (YAML: ``name``, ``base``, ``grid``) gives the fields shared by every cell (``base``) and, per grid key, the
+values to sweep; the cells are the product of the grid's lists, in the spec's key order. Every cell is resolved to a
+full ``TrainConfig`` (defaults filled in, whole numbers given for float fields made floats) and every cell is
+validated before any runs, so a typo fails in a second, not an hour in.
+
+Layout of ``out_dir``::
+
+    sweep.json               the spec, package versions, git revision (the latest spec run into this folder)
+    cells/<cell_id>/         config.json (resolved config + versions), steps.parquet (TrainResult.table),
+                             summary.json (TrainResult.summary)
+
+``cell_id`` is the first 16 hex characters of the sha256 of the resolved config's canonical JSON, so a cell's folder
+name says exactly what was run. Workers run ``train`` and send the table and summary back; the driver writes each
+cell into a hidden temporary sibling (``cells/.<cell_id>.*``) and renames it into place, so a sweep killed at any
+moment leaves complete cells only. Rerunning the same command skips the complete cells and runs the rest; hidden
+leftovers of a killed sweep are removed first. A lock file (``out_dir/.lock``) keeps two sweeps from writing into
+one folder at once. Growing a spec (more seeds, another estimator) and rerunning it into the same folder runs only
+the new cells.
+
+Executors: ``local`` is a ``concurrent.futures.ProcessPoolExecutor`` (forkserver context, ``workers`` processes,
+default ``os.cpu_count()``); ``ray`` runs one Ray task (1 CPU) per cell, on a fresh local instance with
+``num_cpus=workers`` (shut down at the end) or on the cluster at ``address`` (every node needs this package
+installed; ``workers`` then caps the cells in flight; an instance the caller already started is used and left
+running). Only the driver writes to ``out_dir``, so a cluster needs no shared file system. Workers use one torch
+thread each (no oversubscription), and every cell is seeded by its own config's ``seed``, so the results do not
+depend on the executor, the worker count or the order cells finish in. A tqdm bar shows cells done and the ETA
+(quiet when CI or LAB_QUIET is set). A cell that fails at run time does not stop the others: the sweep finishes
+what it can, then raises ``LabError`` naming the failed cells; rerun to retry them.
+"""
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import itertools
+import json
+import multiprocessing
+import os
+import shutil
+import socket
+import tempfile
+from contextlib import closing
+from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+
+import pandas as pd
+import torch
+import yaml
+from tqdm import tqdm
+
+from lab.errors import LabError
+from lab.runs import git_revision, package_versions, write_json
+from lab.training import TrainConfig, train
+
+EXECUTORS = ("local", "ray")
+FIELDS = {f.name for f in fields(TrainConfig)}
+_DEFAULTS = asdict(TrainConfig())
+_RENAMED = {"final_expected_reward": "final_reward", "best_expected_reward": "best_reward",
+            "first_collapse_update": "first_collapse"}
+
+
+@dataclass
+class SweepSpec:
+    name: str  # used in logs and in sweep.json
+    base: dict  # TrainConfig fields shared by every cell
+    grid: dict  # TrainConfig field -> list of values; the cells are the Cartesian product
+
+
+# ------------------------------------------------------------------------------------------------ specs
+def load_spec(path) -> SweepSpec:
+    """Read a YAML spec with keys ``name``, ``base`` (optional) and ``grid``; LabError on bad input."""
+    path = Path(path)
+    if not path.is_file():
+        raise LabError(f"sweep spec {path} does not exist; pass a YAML file with keys name, base, grid")
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        raise LabError(f"sweep spec {path} is not valid YAML ({str(e).splitlines()[0]})") from None
+    if not isinstance(raw, dict):
+        raise LabError(f"sweep spec {path} must be a mapping with keys name, base, grid")
+    unknown = sorted(set(raw) - {"name", "base", "grid"})
+    if unknown:
+        raise LabError(f"sweep spec {path} has unknown keys {', '.join(map(str, unknown))}; use name, base, grid")
+    spec = SweepSpec(name=raw.get("name", path.stem), base=raw.get("base") or {}, grid=raw.get("grid") or {})
+    _check_spec(spec)
+    return spec
+
+
+def _check_spec(spec: SweepSpec) -> None:
+    if not isinstance(spec.name, str) or not spec.name.strip():
+        raise LabError("a sweep needs a non-empty name")
+    for part in ("base", "grid"):
+        value = getattr(spec, part)
+        if not isinstance(value, dict):
+            raise LabError(f"sweep {part} must be a mapping of TrainConfig fields, got {type(value).__name__}")
+        bad = sorted(str(k) for k in value if k not in FIELDS)
+        if bad:
+            raise LabError(f"sweep {part} key(s) {', '.join(bad)} are not TrainConfig fields; "
+                           f"see lab.training.TrainConfig for the fields")
+    for key, values in spec.grid.items():
+        if not isinstance(values, list) or not values:
+            raise LabError(f"grid key {key!r} must map to a non-empty list of values, got {values!r}")
+    both = sorted(set(spec.base) & set(spec.grid))
+    if both:
+        raise LabError(f"key(s) {', '.join(both)} appear in both base and grid; keep each in one of them")
+
+
+def _coerce(name: str, value):
+    """Whole numbers (and YAML's '1e-3' strings) given for a float field become floats: one canonical cell."""
+    if isinstance(_DEFAULTS[name], float) and not isinstance(value, bool) and isinstance(value, (int, str)):
+        try:
+            return float(value)
+        except ValueError:
+            return value  # validate() reports it
+    return value
+
+
+def resolve(config: dict) -> dict:
+    """The full TrainConfig dict for ``config`` (defaults filled in); LabError for keys that are not fields."""
+    bad = sorted(str(k) for k in config if k not in FIELDS)
+    if bad:
+        raise LabError(f"{', '.join(bad)} are not TrainConfig fields")
+    return asdict(TrainConfig(**{k: _coerce(k, v) for k, v in config.items()}))
+
+
+def _label(cell: dict, keys) -> str:
+    return ", ".join(f"{k}={cell[k]!r}" for k in keys)
+
+
+def expand(spec: SweepSpec) -> list[dict]:
+    """One resolved TrainConfig dict per cell (grid product in spec order); every cell validated up front."""
+    _check_spec(spec)
+    keys = list(spec.grid)
+    cells = [resolve({**spec.base, **dict(zip(keys, combo))}) for combo in itertools.product(*spec.grid.values())]
+    seen = {}
+    for i, cell in enumerate(cells):
+        try:
+            TrainConfig(**cell).validate()
+        except (LabError, TypeError, ValueError) as e:
+            raise LabError(f"sweep cell {i} ({_label(cell, keys)}) is invalid: {e}") from None
+        cid = cell_id(cell)
+        if cid in seen:
+            raise LabError(f"sweep cells {seen[cid]} and {i} are the same config; remove repeated grid values")
+        seen[cid] = i
+    return cells
+
+
+def _canonical(value) -> str:
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), default=str)
+
+
+def cell_id(config: dict) -> str:
+    """First 16 hex characters of the sha256 of the resolved config's canonical JSON."""
+    return hashlib.sha256(_canonical(resolve(config)).encode()).hexdigest()[:16]
+
+
+# ------------------------------------------------------------------------------------------------ running
+def _train_cell(config: dict) -> dict:
+    """Run one cell (in a worker); errors come back as a one-line message, not an exception."""
+    torch.set_num_threads(1)  # one thread per worker: no oversubscription, and the same numbers everywhere
+    try:
+        result = train(TrainConfig(**config), progress=False)
+        return {"table": result.table, "summary": result.summary}
+    except Exception as e:  # noqa: BLE001 - reported per cell by the driver
+        return {"error": f"{type(e).__name__}: {e}"}
+
+
+def _write_cell(cells: Path, cid: str, config: dict, out: dict, meta: dict) -> None:
+    """Write one cell atomically: a hidden temporary sibling, renamed into place."""
+    tmp = Path(tempfile.mkdtemp(prefix=f".{cid}.", dir=cells))
+    try:
+        os.chmod(tmp, 0o755)  # mkdtemp makes it private; cells are ordinary readable folders
+        write_json(tmp / "config.json", {**config, "cell_id": cid, **meta})
+        out["table"].to_parquet(tmp / "steps.parquet", index=False)
+        write_json(tmp / "summary.json", out["summary"])
+        os.replace(tmp, cells / cid)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _done(cells: Path, cid: str) -> bool:
+    return (cells / cid / "summary.json").is_file()
+
+
+def _prepare(out: Path, spec: SweepSpec, meta: dict) -> tuple[Path, int]:
+    """Check ``out``, take its lock, drop leftovers of a killed sweep, record the spec. Returns (cells, lock fd)."""
+    is_sweep = (out / "sweep.json").is_file() or (out / "cells").is_dir()  # cells/: a sweep killed at its start
+    if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not is_sweep)):
+        raise LabError(f"output path {out} exists and is not a sweep folder; choose another --out")
+    cells = out / "cells"
+    cells.mkdir(parents=True, exist_ok=True)
+    lock = os.open(out / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(lock)
+        raise LabError(f"another sweep is writing to {out}; wait for it to finish or choose another --out") from None
+    for leftover in cells.glob(".*"):
+        shutil.rmtree(leftover, ignore_errors=True)
+    tmp = out / ".sweep.json.tmp"
+    write_json(tmp, {"name": spec.name, "base": spec.base, "grid": spec.grid, **meta})
+    os.replace(tmp, out / "sweep.json")
+    return cells, lock
+
+
+def _run_local(configs: list[dict], workers: int):
+    """Yield (index, output) as cells finish, on a forkserver process pool."""
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["lab.sweep"])  # workers fork from a server that already imported torch
+    pool = ProcessPoolExecutor(max_workers=workers, mp_context=ctx)
+    try:
+        futures = {pool.submit(_train_cell, c): i for i, c in enumerate(configs)}
+        pending = set(futures)
+        while pending:
+            finished, pending = wait(pending, return_when=FIRST_COMPLETED)
+            for f in finished:
+                yield futures[f], f.result()
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _run_ray(configs: list[dict], workers: int | None, address: str | None):
+    """Yield (index, output) as cells finish, one Ray task per cell, at most ``workers`` in flight."""
+    try:
+        import ray
+    except ImportError:
+        raise LabError("executor 'ray' needs Ray: pip install 'ray>=2.40'") from None
+    started = not ray.is_initialized()
+    if started:
+        if address:
+            try:
+                ray.init(address=address, log_to_driver=False)
+            except Exception as e:  # noqa: BLE001 - Ray raises ConnectionError, RuntimeError, AuthenticationError
+                raise LabError(f"cannot connect to the Ray cluster at {address} ({str(e).splitlines()[0]}); check "
+                               f"the address (`ray status` on the head node) and, with token auth, RAY_AUTH_TOKEN") \
+                    from None
+        else:
+            ray.init(num_cpus=workers, include_dashboard=False, log_to_driver=False)
+    try:
+        task = ray.remote(num_cpus=1)(_train_cell)
+        limit = workers or len(configs)
+        todo = list(enumerate(configs))
+        refs = {}
+        while todo or refs:
+            while todo and len(refs) < limit:
+                i, c = todo.pop(0)
+                refs[task.remote(c)] = i
+            [ref], _ = ray.wait(list(refs), num_returns=1)
+            yield refs.pop(ref), ray.get(ref)
+    finally:
+        if started:
+            ray.shutdown()
+
+
+def _answers(address: str) -> bool:
+    """Whether a plain host:port address accepts a connection within 5 s (Ray itself retries for minutes)."""
+    host, sep, port = address.rpartition(":")
+    if "://" in address or not sep or not port.isdigit():
+        return True  # "auto", "ray://...": left to Ray
+    try:
+        socket.create_connection((host, int(port)), timeout=5).close()
+        return True
+    except OSError:
+        return False
+
+
+def run_sweep(spec: SweepSpec, out_dir, executor: str = "local", workers: int | None = None,
+              address: str | None = None, progress: bool | None = None) -> dict:
+    """Run every cell of ``spec`` not yet in ``out_dir/cells``; returns {"done", "skipped", "total"}."""
+    if executor not in EXECUTORS:
+        raise LabError(f"unknown executor {executor!r}; choose one of {', '.join(EXECUTORS)}")
+    if workers is not None and (isinstance(workers, bool) or not isinstance(workers, int) or workers < 1):
+        raise LabError(f"workers must be a positive whole number, got {workers!r}")
+    if address and executor != "ray":
+        raise LabError("--address is a Ray cluster address; use it with --executor ray")
+    if address and not _answers(address):
+        raise LabError(f"no Ray cluster answers at {address}; start one (`ray start --head`) and pass the address "
+                       f"it prints")
+    configs = expand(spec)
+    out = Path(out_dir)
+    meta = {"versions": package_versions(), "git_revision": git_revision()}
+    cells, lock = _prepare(out, spec, meta)
+    try:
+        ids = [cell_id(c) for c in configs]
+        todo = [i for i, cid in enumerate(ids) if not _done(cells, cid)]
+        skipped = len(configs) - len(todo)
+        quiet = os.environ.get("CI") or os.environ.get("LAB_QUIET")
+        bar = tqdm(total=len(configs), initial=skipped, desc=f"sweep {spec.name}", unit="cell",
+                   disable=bool(quiet) or progress is False)
+        failed, done = [], 0
+        if todo:
+            pending = [configs[i] for i in todo]
+            n = min(workers or os.cpu_count() or 1, len(todo))
+            if executor == "local":
+                stream = _run_local(pending, n)
+            else:  # on a cluster without --workers, Ray's own scheduling decides how many run at once
+                stream = _run_ray(pending, None if address and not workers else n, address)
+            with closing(stream):  # shuts the pool or Ray down now, even if writing a cell fails
+                for j, output in stream:
+                    i = todo[j]
+                    if "error" in output:
+                        failed.append((i, output["error"]))
+                    else:
+                        _write_cell(cells, ids[i], configs[i], output, meta)
+                        done += 1
+                    bar.update(1)
+        bar.close()
+    finally:
+        os.close(lock)
+    if failed:
+        i, err = failed[0]
+        raise LabError(f"{len(failed)} of {len(todo)} sweep cells failed (first: cell {i}, "
+                       f"{_label(configs[i], spec.grid)}: {err}); the {done} finished cells are saved in {out}, "
+                       f"rerun to retry the rest")
+    return {"done": done, "skipped": skipped, "total": len(configs)}
+
+
+# ------------------------------------------------------------------------------------------------ results
+def _column(value):
+    return _canonical(value) if isinstance(value, (dict, list)) else value
+
+
+def load_results(out_dir) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """(steps, runs) of the finished cells of the spec last run into ``out_dir``.
+
+    steps: every cell's per-update table with ``cell_id`` and the spec's grid keys as the leading columns.
+    runs: one row per cell: ``cell_id``, grid keys, then the summary's scalars, with ``final_reward``,
+    ``best_reward``, ``first_collapse`` (1-based update, <NA> if none) and ``collapsed`` (bool).
+    Dict or list grid values (e.g. ``hyper``) appear as their canonical JSON strings.
+    """
+    out = Path(out_dir)
+    if not (out / "sweep.json").is_file():
+        raise LabError(f"{out} is not a sweep folder (no sweep.json); run `lab sweep SPEC.yaml --out {out}` first")
+    meta = json.loads((out / "sweep.json").read_text())
+    spec = SweepSpec(meta["name"], meta["base"] or {}, meta["grid"] or {})
+    keys = list(spec.grid)
+    steps, runs = [], []
+    for config in (resolve({**spec.base, **dict(zip(keys, combo))})
+                   for combo in itertools.product(*spec.grid.values())):
+        cid = cell_id(config)
+        folder = out / "cells" / cid
+        if not (folder / "summary.json").is_file():
+            continue
+        grid = {"cell_id": cid, **{k: _column(config[k]) for k in keys}}
+        table = pd.read_parquet(folder / "steps.parquet")
+        table = table.drop(columns=[k for k in grid if k in table.columns])
+        steps.append(pd.concat([pd.DataFrame(grid, index=table.index), table], axis=1))
+        summary = json.loads((folder / "summary.json").read_text())
+        row = {_RENAMED.get(k, k): v for k, v in summary.items()
+               if k not in grid and k != "study" and not isinstance(v, (dict, list))}
+        row["collapsed"] = summary.get("first_collapse_update") is not None
+        runs.append({**grid, **row})
+    head = ["cell_id", *keys]
+    steps_df = pd.concat(steps, ignore_index=True) if steps else pd.DataFrame(columns=head)
+    runs_df = pd.DataFrame(runs) if runs else pd.DataFrame(columns=[*head, "final_reward", "best_reward",
+                                                                     "first_collapse", "collapsed"])
+    if "first_collapse" in runs_df and len(runs_df):
+        runs_df["first_collapse"] = runs_df["first_collapse"].astype("Int64")
+    return steps_df, runs_df
