@@ -323,9 +323,9 @@ def answer(bound: pd.DataFrame, bsum: dict, comp: pd.DataFrame) -> str:
              + (f"; off-policy (KL(μ‖π) > 0) it is {bsum['max_bound_ratio_off_policy']:.4f}"
                 if bsum.get("max_bound_ratio_off_policy") is not None else "")
              + ". The bound is tight only when μ's "
-             f"weights sit where φ(w)/w peaks, w = (k−1)/λ: for the A<0 kernel (k=3, λ=2) that is w = 1, so it is "
-             f"exact on-policy and loosens as μ drifts; for the A≥0 kernel (k=2, λ=3) the peak is at w = 1/3 and the "
-             f"ratio starts at 1/K = 3/e² = 0.41.", ""]
+             "weights sit where φ(w)/w peaks, w = (k−1)/λ: for the A<0 kernel (k=3, λ=2) that is w = 1, so it is "
+             "exact on-policy and loosens as μ drifts; for the A≥0 kernel (k=2, λ=3) the peak is at w = 1/3 and the "
+             "ratio starts at 1/K = 3/e² = 0.41.", ""]
     lines += ["| kernel | K | largest ratio | median ratio |", "|---|---|---|---|"]
     for label, v in bsum["per_kernel"].items():
         if v["max_ratio"] is None:
@@ -349,10 +349,10 @@ def answer(bound: pd.DataFrame, bsum: dict, comp: pd.DataFrame) -> str:
               f"VESPO {iv('vespo')} against sequence IS {iv('seq_is')}."]
     if "vespo_exact_bias" in comp:
         c = comp.set_index("lag")
-        lines.append(f"- **The price is bias.** VESPO's exact expected gradient (advantage = R) misses ∇J by "
+        lines.append("- **The price is bias.** VESPO's exact expected gradient (advantage = R) misses ∇J by "
                      + ", ".join(f"{v:.0%}" for v in c["vespo_exact_bias"]) + f" of its norm at lags {fmt(c.index)}; "
                      f"sequence IS by {c['seq_is_exact_bias'].abs().max():.0%} (unbiased up to the |log W| ≤ 20 "
-                     f"clamp).")
+                     "clamp).")
         mid = c[c["vespo_exact_bias"] > 0.05]
         if "vespo_exact_cos" in c and len(mid):
             cos = ", ".join("undefined" if np.isnan(v) else f"{v:.2f}" for v in mid["vespo_exact_cos"])
