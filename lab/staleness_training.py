@@ -455,33 +455,30 @@ def _dodge_plot(ax, table, study, metric, ests, col):
     ax.grid(alpha=0.3)
 
 
+def _vs_setting(table, study, metric, ylabel, title, legend_loc, height) -> Figure:
+    ests = list(dict.fromkeys(table[table["study"] == study]["estimator"]))
+    fig = Figure(figsize=(8.5, height), layout="constrained")
+    ax = fig.subplots()
+    _dodge_plot(ax, table, study, metric, ests, _colors(ests))
+    ax.set_xlabel(SETTINGS[study][1])
+    ax.set_ylabel(ylabel)
+    ax.set_ylim(-0.03, 1.03)
+    ax.legend(fontsize=8, ncol=min(6, len(ests)), loc=legend_loc)
+    ax.set_title(title, fontsize=11)
+    return fig
+
+
 def final_vs_setting(table: pd.DataFrame, study: str = "sync") -> Figure:
     """Final J (IQM over seeds, 95% stratified-bootstrap interval) against the study's setting, per estimator."""
-    ests = list(dict.fromkeys(table[table["study"] == study]["estimator"]))
-    fig = Figure(figsize=(8.5, 3.8), layout="constrained")
-    ax = fig.subplots()
-    _dodge_plot(ax, table, study, "final_reward_iqm", ests, _colors(ests))
-    ax.set_xlabel(SETTINGS[study][1])
-    ax.set_ylabel("final expected reward J (IQM)")
-    ax.set_ylim(-0.03, 1.03)
-    ax.legend(fontsize=8, ncol=min(6, len(ests)), loc="lower left")
-    ax.set_title("Final reward vs staleness (the toy counterpart of VESPO's table)" if study == "sync"
-                 else f"Final reward: {study}", fontsize=11)
-    return fig
+    title = ("Final reward vs staleness (the toy counterpart of VESPO's table)" if study == "sync"
+             else f"Final reward: {study}")
+    return _vs_setting(table, study, "final_reward_iqm", "final expected reward J (IQM)", title, "lower left", 3.8)
 
 
 def collapse_vs_setting(table: pd.DataFrame, study: str = "sync") -> Figure:
     """Collapse rate (share of seeds whose run met lab.training's collapse rule) with Wilson 95% intervals."""
-    ests = list(dict.fromkeys(table[table["study"] == study]["estimator"]))
-    fig = Figure(figsize=(8.5, 3.2), layout="constrained")
-    ax = fig.subplots()
-    _dodge_plot(ax, table, study, "collapse_rate", ests, _colors(ests))
-    ax.set_xlabel(SETTINGS[study][1])
-    ax.set_ylabel("collapse rate")
-    ax.set_ylim(-0.03, 1.03)
-    ax.legend(fontsize=8, ncol=min(6, len(ests)), loc="upper left")
-    ax.set_title("Collapse rate (Wilson 95% interval over seeds)", fontsize=11)
-    return fig
+    return _vs_setting(table, study, "collapse_rate", "collapse rate", "Collapse rate (Wilson 95% interval over seeds)",
+                       "upper left", 3.2)
 
 
 def regimes(table: pd.DataFrame) -> Figure:
