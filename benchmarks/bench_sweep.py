@@ -25,8 +25,8 @@ import torch
 
 os.environ.setdefault("LAB_QUIET", "1")
 
-from lab.sweep import SweepSpec, cell_id, expand, load_results, run_sweep  # noqa: E402
-from lab.training import TrainConfig, train  # noqa: E402
+from lab.engine.sweep import SweepSpec, cell_id, expand, load_results, run_sweep  # noqa: E402
+from lab.engine.training import TrainConfig, train  # noqa: E402
 
 
 def spec_for(quick: bool) -> SweepSpec:

@@ -6,7 +6,7 @@
     .venv/bin/python benchmarks/bench_training.py --quick       # smoke test, a few seconds
     .venv/bin/python benchmarks/bench_training.py --json out.json
 
-Each timing is one ``lab.training.train`` run (sync, rollout batch 64, group size 8, N = 4 mini-batches, so
+Each timing is one ``lab.engine.training.train`` run (sync, rollout batch 64, group size 8, N = 4 mini-batches, so
 ``steps * 4`` optimiser updates) after a one-rollout warm-up run per estimator; estimators are timed round-robin,
 ``--repeats`` rounds, and the median is reported as updates per second. Every update includes sampling (once per rollout), the estimator's loss and backward pass, the
 Adam step, the sampled weight diagnostics and the exact metrics (J, KL to init, entropy by enumerating every
@@ -28,7 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from lab.training import TrainConfig, train  # noqa: E402
+from lab.engine.training import TrainConfig, train  # noqa: E402
 
 ESTIMATORS = ["reinforce", "ppo_clip", "seq_is", "token_is", "tis_token", "mis_seq", "cispo", "gspo", "gmpo",
               "sapo", "vespo", "gvpo"]

@@ -31,10 +31,17 @@ def group_advantages(rewards: torch.Tensor, kind: str) -> torch.Tensor:
     check(kind, rewards.shape[-1])
     if kind == "reward":
         return rewards
-    G = rewards.shape[-1]
-    centred = rewards - rewards.mean(-1, keepdim=True)
     if kind == "rloo":
-        return centred * G / (G - 1)
+        return leave_one_out(rewards)
+    centred = rewards - rewards.mean(-1, keepdim=True)
     if kind == "drgrpo":
         return centred
     return centred / (rewards.std(-1, keepdim=True) + GRPO_EPS)
+
+
+def leave_one_out(values: torch.Tensor, group_size: int | None = None) -> torch.Tensor:
+    """v_i - mean_{j != i} v_j = G/(G-1) (v_i - mean_j v_j) within groups of G: the last axis is one group, or with
+    ``group_size`` it holds consecutive groups of that size."""
+    G = group_size or values.shape[-1]
+    g = values.reshape(*values.shape[:-1], -1, G)
+    return ((g - g.mean(-1, keepdim=True)) * G / (G - 1)).reshape(values.shape)

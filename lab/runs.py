@@ -1,8 +1,8 @@
 """Run folders: config.json (resolved config, seed, versions, git revision), results.parquet, summary.json.
 
-Written atomically: everything goes to a hidden sibling folder that is renamed into place at the end, so an
-interrupted or failed run leaves nothing half-written. An existing run folder is replaced; any other
-existing, non-empty path is refused.
+Every folder the lab writes (run folders, report folders, sweep cells) goes through ``atomic_dir``: it is built
+in a hidden sibling folder that is renamed into place at the end, so an interrupted or failed run leaves nothing
+half-written. An existing run folder is replaced; any other existing, non-empty path is refused.
 """
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from contextlib import contextmanager
 from importlib import metadata
 from pathlib import Path
 
@@ -67,22 +68,36 @@ def check_out_dir(out: Path) -> None:
         raise LabError(f"output path {out} exists and is not a run folder; choose another --out")
 
 
+@contextmanager
+def atomic_dir(dest: Path):
+    """Yield a hidden staging folder beside ``dest`` (mode 0755); on success it is renamed onto ``dest`` (an
+    existing ``dest`` is swapped out), on any failure it is removed with the parent folders this call created."""
+    dest = Path(dest)
+    made = [p for p in (dest.parent, *dest.parent.parents) if not p.exists()]
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=dest.parent))
+    try:
+        tmp.chmod(0o755)  # mkdtemp makes it private; results are for reading
+        yield tmp
+        replace_dir(tmp, dest)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        for p in made:
+            if p.is_dir() and not any(p.iterdir()):
+                p.rmdir()
+        raise
+
+
 def write_run(out: Path, config: dict, results: pd.DataFrame, summary: dict, extra: dict | None = None) -> Path:
     """Write a run folder atomically; ``extra`` maps file names to callables writing them (given the path)."""
     out = Path(out)
     check_out_dir(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
+    with atomic_dir(out) as tmp:
         write_json(tmp / "config.json", {**config, "versions": package_versions(), "git_revision": git_revision()})
         results.to_parquet(tmp / "results.parquet", index=False)
         write_json(tmp / "summary.json", summary)
         for name, writer in (extra or {}).items():
             writer(tmp / name)
-        replace_dir(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out
 
 
@@ -95,12 +110,3 @@ def replace_dir(src: Path, dest: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
     else:
         os.replace(src, dest)
-
-
-def load_run(path: Path) -> tuple[dict, pd.DataFrame, dict]:
-    path = Path(path)
-    missing = [f for f in RUN_FILES if not (path / f).exists()]
-    if missing:
-        raise LabError(f"{path} is not a complete run folder (missing {', '.join(missing)})")
-    return (json.loads((path / "config.json").read_text()), pd.read_parquet(path / "results.parquet"),
-            json.loads((path / "summary.json").read_text()))

@@ -9,7 +9,7 @@ import pandas as pd
 import pytest
 import torch
 
-from lab.batch import Batch
+from lab.engine.batches import Batch
 from lab.cli import main
 from lab.errors import LabError
 

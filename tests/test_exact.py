@@ -1,7 +1,7 @@
 import torch
 
 import toy_envs
-from lab.exact import exact_support, mc_support, objective, policy_gradient
+from lab.engine.exact import exact_support, mc_support, objective, policy_gradient
 from lab.policies import init_params, make_policy
 
 

@@ -15,7 +15,8 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from lab import figures, reports
+from lab import reports
+from lab.reports import figures
 from lab.errors import LabError
 
 NAME = "estimator_variance"

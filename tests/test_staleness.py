@@ -4,9 +4,9 @@ import torch
 
 import toy_envs
 from lab.errors import LabError
-from lab.exact import divergence, exact_support
+from lab.engine.exact import Problem, divergence, exact_support
 from lab.policies import init_params, make_policy
-from lab.staleness import behaviour_params, optimisation_trajectory
+from lab.engine.staleness import behaviour, optimisation_trajectory
 
 LIMIT = toy_envs.DEFAULT_ENUM_LIMIT
 
@@ -15,7 +15,7 @@ def _setting(name="tiny_target", policy_kind="prefix", steps=32, **overrides):
     env = toy_envs.make(name, **overrides)
     policy = make_policy(policy_kind, env)
     g = torch.Generator().manual_seed(0)
-    traj = optimisation_trajectory(env, policy, init_params(policy, 1.0, g), steps, 0.05, "exact", LIMIT, 0, g)
+    traj = optimisation_trajectory(Problem(env, policy), init_params(policy, 1.0, g), steps, 0.05, g)
     return env, policy, traj
 
 
@@ -23,8 +23,8 @@ def _divergences(env, policy, traj, kind, values):
     out = []
     for v in values:
         g = torch.Generator().manual_seed(1)
-        mu = behaviour_params(kind, v, traj, env, policy, g, "exact", LIMIT, 0)
-        out.append(divergence(policy, traj.current, mu, exact_support(env, policy, mu, LIMIT)))
+        mu = behaviour(Problem(env, policy), kind, v, traj, g)
+        out.append(divergence((policy, traj.current), mu, exact_support(env, *mu, LIMIT)))
     return out
 
 
@@ -60,11 +60,11 @@ def test_exact_divergences_agree_with_sampled_k1_k3():
     from lab.policies import sample, sequence_log_probs
 
     env, policy, traj = _setting()
-    mu = behaviour_params("kl", 0.05, traj, env, policy, torch.Generator().manual_seed(1), "exact", LIMIT, 0)
-    d = divergence(policy, traj.current, mu, exact_support(env, policy, mu, LIMIT))
+    mu = behaviour(Problem(env, policy), "kl", 0.05, traj, torch.Generator().manual_seed(1))
+    d = divergence((policy, traj.current), mu, exact_support(env, *mu, LIMIT))
     g = torch.Generator().manual_seed(2)
     prompts = torch.randint(env.n_prompts, (100_000,), generator=g)
-    tokens, mask, lp_mu = sample(policy, mu, env, prompts, g)
+    tokens, mask, lp_mu = sample(*mu, env, prompts, g)
     L = sequence_log_probs(policy, traj.current, prompts, tokens, mask) - lp_mu.sum(-1)
     for est in (kl_k1(L), kl_k3(L)):
         se = float(est.std() / len(est) ** 0.5)
@@ -79,4 +79,4 @@ def test_exact_divergences_agree_with_sampled_k1_k3():
 def test_bad_staleness_values(kind, value, match):
     env, policy, traj = _setting(steps=4)
     with pytest.raises(LabError, match=match):
-        behaviour_params(kind, value, traj, env, policy, torch.Generator(), "exact", LIMIT, 0)
+        behaviour(Problem(env, policy), kind, value, traj, torch.Generator())

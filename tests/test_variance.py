@@ -6,11 +6,15 @@ import torch
 import toy_envs
 from lab import advantages as adv_mod
 from lab.estimators.aggregation import target_scale
-from lab.exact import exact_support, policy_gradient
-from lab.gradients import expected_gradient, loop_gradients, replicate_gradients
+from lab.engine.batches import draw_batches
+from lab.engine.estimator import Estimator
+from lab.engine.exact import Problem, exact_support, policy_gradient
+from lab.engine.gradients import expected_gradient, loop_gradients, replicate_gradients
+from lab.engine.metrics import gram_metrics
 from lab.policies import init_params, make_policy
-from lab.staleness import behaviour_params, optimisation_trajectory
-from lab.variance import VarianceConfig, draw_batches, gram_metrics, run_study
+from lab.engine.staleness import behaviour, optimisation_trajectory
+from lab.studies.variance import Config as VarianceConfig
+from lab.studies.variance import run as run_study
 
 LIMIT = toy_envs.DEFAULT_ENUM_LIMIT
 CORE = ["reinforce", "seq_is", "token_is", "ppo_clip"]
@@ -20,16 +24,16 @@ def _world(name, policy_kind="prefix", agg="seq-mean-token-sum", **overrides):
     env = toy_envs.make(name, **overrides)
     policy = make_policy(policy_kind, env)
     g = torch.Generator().manual_seed(0)
-    traj = optimisation_trajectory(env, policy, init_params(policy, 1.0, g), 32, 0.05, "exact", LIMIT, 0, g)
+    traj = optimisation_trajectory(Problem(env, policy), init_params(policy, 1.0, g), 32, 0.05, g)
     pi = traj.current
     g_star = target_scale(agg, env.length) * policy_gradient(env, policy, pi, exact_support(env, policy, pi, LIMIT))
     return env, policy, traj, g_star.reshape(-1)
 
 
 def _expected(env, policy, traj, kind, value, name, agg="seq-mean-token-sum", hyper=None):
-    mu = behaviour_params(kind, value, traj, env, policy, torch.Generator().manual_seed(1), "exact", LIMIT, 0)
-    return expected_gradient(env, policy, traj.current, mu, exact_support(env, policy, mu, LIMIT), name, agg,
-                             hyper or {})
+    mu = behaviour(Problem(env, policy), kind, value, traj, torch.Generator().manual_seed(1))
+    return expected_gradient(env, policy, traj.current, mu, exact_support(env, *mu, LIMIT),
+                             Estimator.resolve(name, hyper or {}, agg))
 
 
 @pytest.mark.parametrize("name,policy_kind,agg", [
@@ -82,11 +86,12 @@ def test_sampled_seq_is_mean_matches_exact_gradient_along_directions(name, polic
     is invalid, whereas projections on dense directions average many coordinates.
     """
     env, policy, traj, g_star = _world(name, policy_kind)
-    mu = behaviour_params(kind, value, traj, env, policy, torch.Generator().manual_seed(1), "exact", LIMIT, 0)
+    mu = behaviour(Problem(env, policy), kind, value, traj, torch.Generator().manual_seed(1))
     M, B, G = 2000, 16, 4
-    batch = draw_batches(env, policy, mu, M, B, G, torch.Generator().manual_seed(7))
+    batch = draw_batches(env, mu, M, B, G, torch.Generator().manual_seed(7))
     adv = adv_mod.group_advantages(batch.rewards.reshape(M, B // G, G), "rloo").reshape(M, B)[..., None] * batch.mask
-    grads, _ = replicate_gradients(policy, traj.current.float(), batch, adv, "seq_is", "seq-mean-token-sum", {})
+    grads, _ = replicate_gradients(policy, traj.current.float(), batch, adv,
+                                   Estimator.resolve("seq_is", {}, "seq-mean-token-sum"))
     directions = torch.cat([g_star[None] / g_star.norm(),
                             torch.randn(20, g_star.numel(), generator=torch.Generator().manual_seed(0), dtype=torch.float64)])
     proj = grads.double() @ directions.T
@@ -117,11 +122,12 @@ def test_vectorised_gradients_equal_the_per_sample_loop(agg):
     g = torch.Generator().manual_seed(0)
     pi = init_params(policy, 1.0, g).float()
     mu = pi + 0.3 * torch.randn(pi.shape, generator=g)
-    batch = draw_batches(env, policy, mu, 3, 8, 4, g)
+    batch = draw_batches(env, (policy, mu), 3, 8, 4, g)
     adv = adv_mod.group_advantages(batch.rewards.reshape(3, 2, 4), "drgrpo").reshape(3, 8)[..., None] * batch.mask
     for name in CORE:
-        fast, _ = replicate_gradients(policy, pi, batch, adv, name, agg, {})
-        slow = loop_gradients(policy, pi, batch, adv, name, agg, {})
+        est = Estimator.resolve(name, {}, agg)
+        fast, _ = replicate_gradients(policy, pi, batch, adv, est)
+        slow = loop_gradients(policy, pi, batch, adv, est)
         assert torch.allclose(fast, slow, atol=1e-6), name
 
 

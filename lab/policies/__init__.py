@@ -1,46 +1,75 @@
-"""Policies: tabular softmax policies (prefix tree, Markov) and the functions every policy shares."""
+"""Policies (see ``lab.policies.protocol`` for what a policy provides) and the functions every policy shares:
+log-probs of given tokens and autoregressive sampling with recorded log-probs.
+
+Kinds: ``prefix`` and ``markov`` (tabular softmax, ``lab.policies.tabular``).
+"""
 from __future__ import annotations
 
 import torch
 
 from lab.errors import LabError
+from lab.policies.protocol import Perturbed, Policy, Tempered
 from lab.policies.tabular import POLICIES, MarkovPolicy, PrefixTreePolicy
 
-__all__ = ["POLICIES", "MarkovPolicy", "PrefixTreePolicy", "make_policy", "init_params", "token_log_probs",
-           "sequence_log_probs", "sample"]
+__all__ = ["POLICIES", "MarkovPolicy", "Perturbed", "Policy", "PrefixTreePolicy", "Tempered", "make_policy",
+           "check_device", "init_params", "log_probs_of", "token_log_probs", "sequence_log_probs", "sample"]
 
 
-def make_policy(kind: str, env):
-    """The tabular policy ``kind`` ('prefix' or 'markov') sized for ``env``."""
+def make_policy(kind: str, env) -> Policy:
+    """The policy ``kind`` sized for ``env``."""
     if kind not in POLICIES:
         raise LabError(f"unknown policy {kind!r}; choose one of {', '.join(POLICIES)}")
     return POLICIES[kind](env.n_prompts, env.vocab_size, env.length)
 
 
-def init_params(policy, scale: float, generator: torch.Generator, dtype=torch.float64) -> torch.Tensor:
-    """Random logits ~ N(0, scale^2)."""
-    return scale * torch.randn(policy.shape, generator=generator, dtype=dtype)
+def check_device(device: str) -> None:
+    """Refuse a device that is not there, with one line saying what is."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise LabError(f"unknown device {device!r}; use cpu or cuda") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise LabError(f"device {device!r} was asked for but no CUDA device is available here; use --device cpu")
+    if dev.type not in ("cpu", "cuda"):
+        raise LabError(f"device {device!r} is not supported; use cpu or cuda")
 
 
-def token_log_probs(policy, theta, prompts, tokens) -> torch.Tensor:
-    """log pi(y_t | x, y_<t) for every position: [..., T] (padding positions included; mask them)."""
-    logp = torch.log_softmax(policy.logits(theta, prompts, tokens), dim=-1)
-    return logp.gather(-1, tokens[..., None]).squeeze(-1)
+def init_params(policy: Policy, scale: float, generator: torch.Generator, dtype=torch.float64) -> torch.Tensor:
+    """The policy's initial parameters (tabular: logits ~ N(0, scale^2))."""
+    return policy.init_params(scale, generator, dtype)
 
 
-def sequence_log_probs(policy, theta, prompts, tokens, mask) -> torch.Tensor:
+def log_probs_of(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """log softmax(logits) at ``tokens``: [..., T, V], [..., T] -> [..., T] (on the logits' device)."""
+    return torch.log_softmax(logits, dim=-1).gather(-1, tokens.to(logits.device)[..., None]).squeeze(-1)
+
+
+def token_log_probs(policy: Policy, theta, prompts, tokens) -> torch.Tensor:
+    """log pi(y_t | x, y_<t) for every position: [..., T] (padding positions included; mask them).
+
+    Returned on the tokens' device: theta (and the forward pass) may live on an accelerator, the data on the CPU.
+    """
+    return log_probs_of(policy.logits(theta, prompts, tokens), tokens).to(tokens.device)
+
+
+def sequence_log_probs(policy: Policy, theta, prompts, tokens, mask) -> torch.Tensor:
     """log pi(y | x) = sum_t m_t log pi(y_t | s_t): [...]."""
     return (token_log_probs(policy, theta, prompts, tokens) * mask).sum(-1)
 
 
 @torch.no_grad()
-def sample(policy, theta, env, prompts: torch.Tensor, generator: torch.Generator):
-    """Draw one response per prompt. Returns tokens [B, T] (long), mask [B, T], token log-probs [B, T]."""
+def sample(policy: Policy, theta, env, prompts: torch.Tensor, generator: torch.Generator, dtype=None):
+    """Draw one response per prompt. Returns tokens [B, T] (long), mask [B, T], token log-probs [B, T] (masked).
+
+    Logits are computed in theta's dtype and rounded to ``dtype`` (default: theta's) before sampling and scoring,
+    so a float64 behaviour policy can be sampled exactly as its float32 copy would be.
+    """
+    dtype = dtype or theta.dtype
     B, T = prompts.shape[0], env.length
     tokens = torch.zeros(B, T, dtype=torch.long)
     for t in range(T):  # autoregressive: position t needs the tokens before it (T is small)
-        logits_t = policy.logits(theta, prompts, tokens)[:, t]
-        tokens[:, t] = torch.multinomial(torch.softmax(logits_t.double(), -1), 1, generator=generator)[:, 0]
-    mask = env.mask_of(tokens).to(theta.dtype)
+        logits_t = policy.logits(theta, prompts, tokens)[:, t].to(dtype)
+        tokens[:, t] = torch.multinomial(torch.softmax(logits_t.double().cpu(), -1), 1, generator=generator)[:, 0]
+    mask = env.mask_of(tokens).to(dtype)
     tokens = tokens * mask.long()  # after the end token: padding 0
-    return tokens, mask, token_log_probs(policy, theta, prompts, tokens) * mask
+    return tokens, mask, log_probs_of(policy.logits(theta, prompts, tokens).to(dtype), tokens).cpu() * mask

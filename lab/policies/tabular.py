@@ -1,8 +1,9 @@
 """Tabular softmax policies over token sequences, functional in a parameter tensor ``theta``.
 
 Both policies map (theta, prompts [..., ], tokens [..., T]) to next-token logits [..., T, V] under teacher
-forcing: the logits at position t depend only on the prompt and tokens before t. Parameters are one tensor
-so that ``torch.func`` (grad, vmap) can differentiate a loss with respect to them directly.
+forcing: the logits at position t depend only on the prompt and tokens before t. Parameters are one table whose
+rows ARE the logits (``rows(prompts, tokens)`` says which row each position reads), so the variance engine's
+gradient backend differentiates the gathered rows and scatters them back (``gradient_backend = "rows"``).
 
 - PrefixTreePolicy: one logit vector per (prompt, prefix); it can represent any sequence distribution.
   Prefix y_<t has node index (V^t - 1)/(V - 1) + sum_{i<t} y_i V^(t-1-i).
@@ -16,8 +17,28 @@ import torch
 import torch.nn.functional as F
 
 
+class _Table:
+    """What both tabular policies share: logits are gathered rows of theta.reshape(-1, V)."""
+
+    gradient_backend = "rows"
+
+    def init_params(self, scale: float, generator: torch.Generator, dtype=torch.float64) -> torch.Tensor:
+        """Random logits ~ N(0, scale^2)."""
+        return scale * torch.randn(self.shape, generator=generator, dtype=dtype)
+
+    def logits(self, theta: torch.Tensor, prompts: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        return F.embedding(self.rows(prompts, tokens), theta.reshape(-1, self.vocab_size))
+
+    def noise_table(self, generator: torch.Generator) -> torch.Tensor:
+        """One N(0, 1) logit per (state, token): a table like theta."""
+        return torch.randn(self.shape, generator=generator, dtype=torch.float64)
+
+    def noise_logits(self, noise: torch.Tensor, prompts: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        return self.logits(noise, prompts, tokens)
+
+
 @dataclass(frozen=True)
-class PrefixTreePolicy:
+class PrefixTreePolicy(_Table):
     n_prompts: int
     vocab_size: int
     length: int
@@ -40,12 +61,9 @@ class PrefixTreePolicy:
         offsets = torch.tensor([(V**t - 1) // (V - 1) for t in range(T)], dtype=torch.long)
         return prompts[..., None] * self.nodes_per_prompt + offsets + prefix
 
-    def logits(self, theta: torch.Tensor, prompts: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-        return F.embedding(self.rows(prompts, tokens), theta.reshape(-1, self.vocab_size))
-
 
 @dataclass(frozen=True)
-class MarkovPolicy:
+class MarkovPolicy(_Table):
     n_prompts: int
     vocab_size: int
     length: int
@@ -60,9 +78,6 @@ class MarkovPolicy:
         previous = torch.cat([bos, tokens[..., :-1]], dim=-1)
         position = torch.arange(T)
         return (prompts[..., None] * T + position) * (V + 1) + previous
-
-    def logits(self, theta: torch.Tensor, prompts: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-        return F.embedding(self.rows(prompts, tokens), theta.reshape(-1, self.vocab_size))
 
 
 POLICIES = {"prefix": PrefixTreePolicy, "markov": MarkovPolicy}

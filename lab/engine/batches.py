@@ -1,4 +1,5 @@
-"""The Batch record: what a trainer holds after a rollout, as tensors with leading dims [..., B].
+"""The Batch record: what a trainer holds after a rollout, as tensors with leading dims [..., B], and
+``draw_batches``, which draws M replicate batches from a behaviour policy.
 
 Log-probs are per token [..., B, T] and already masked (0 on padding). ``behaviour_log_probs`` are the
 sampler's (mu), the ones a trainer receives with the rollout; rewards are per sequence; every group of
@@ -6,11 +7,12 @@ sampler's (mu), the ones a trainer receives with the rollout; rewards are per se
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import torch
 
 from lab.errors import LabError
+from lab.policies import sample
 
 
 @dataclass
@@ -37,5 +39,14 @@ class Batch:
         if B % self.group_size:
             raise LabError(f"batch size {B} is not a multiple of the group size {self.group_size}")
 
-    def field_tensors(self) -> dict:
-        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "group_size"}
+
+def draw_batches(env, mu: tuple, M: int, B: int, G: int, generator: torch.Generator) -> Batch:
+    """M replicate batches [M, B, ...] from mu = (policy, theta), sampled in float32; B/G prompts per batch drawn
+    uniformly, G responses each."""
+    policy, theta = mu
+    prompts = torch.randint(env.n_prompts, (M, B // G), generator=generator).repeat_interleave(G, dim=-1)
+    tokens, mask, logp = sample(policy, theta, env, prompts.reshape(-1), generator, dtype=torch.float32)
+    rewards = env.sample_reward(prompts.reshape(-1), tokens, mask, generator).float()
+    T = env.length
+    return Batch(prompts, tokens.reshape(M, B, T), mask.reshape(M, B, T), logp.reshape(M, B, T),
+                 rewards.reshape(M, B), G)

@@ -1,4 +1,5 @@
 """Standard figures of a variance study: one function per figure, each taking the tidy results table.
+Figures shared by several reports (the staleness axis, log scales) live here too.
 
 Every function returns a ``matplotlib.figure.Figure`` built without pyplot (no global state, no GUI, safe
 under any backend and in worker processes); notebooks display it as the cell's value, scripts call
@@ -12,15 +13,13 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import FixedFormatter, FixedLocator, NullLocator
 
 from lab.errors import LabError
+from lab.reports.style import color
 
 KIND_LABELS = {
     "lag": "lag (optimiser steps between μ and π)",
     "kl": "target per-token KL(μ‖π)",
     "temperature": "sampling temperature of μ",
 }
-ESTIMATOR_COLORS = ["#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#17becf",
-                    "#7f7f7f", "#bcbd22", "#393b79", "#e7969c", "#637939", "#fd8d3c", "#7b4173", "#6baed6",
-                    "#b5cf6b", "#843c39", "#31a354", "#de9ed6"]
 KHAT_RELIABLE = 0.7  # Vehtari et al. (2024): above this the importance-sampling estimate is unreliable
 
 
@@ -40,8 +39,8 @@ def estimator_names(results: pd.DataFrame) -> list[str]:
 
 
 def estimator_colors(results: pd.DataFrame) -> dict[str, str]:
-    """One fixed colour per estimator, shared by every figure of a study."""
-    return {e: ESTIMATOR_COLORS[i % len(ESTIMATOR_COLORS)] for i, e in enumerate(estimator_names(results))}
+    """Each estimator's colour (the same in every report: ``lab.reports.style``)."""
+    return {e: color(e) for e in estimator_names(results)}
 
 
 def _series(results: pd.DataFrame, metric: str, estimator: str = "-") -> pd.DataFrame:
@@ -237,13 +236,13 @@ def coefficient_curves(names: list[str] | None = None, max_ratio: float = 3.0) -
     fig = Figure(figsize=(12.5, 4.6), layout="constrained")
     axes = fig.subplots(1, 2, sharey=True)
     for col, (ax, sign) in enumerate(zip(axes, (1.0, -1.0))):
-        for i, name in enumerate(names):
+        for name in names:
             info = estimators.info(name)
             coef = np.asarray(info.coefficient(ratio, np.full_like(ratio, sign)), dtype=float)
             coef = np.broadcast_to(coef, ratio.shape)
             label = name + marks.get(info.ratio, "")
             style = "-" if info.ratio == "token" else "--"
-            ax.plot(ratio, coef, style, color=ESTIMATOR_COLORS[i % len(ESTIMATOR_COLORS)], lw=1.8, label=label)
+            ax.plot(ratio, coef, style, color=color(name), lw=1.8, label=label)
         ax.axvline(1.0, color="0.6", lw=0.8)
         ax.set_xlabel("ratio: token ρ = π/μ; (seq) W = π(y)/μ(y); (geo) W^(1/|y|)")
         ax.set_title(f"advantage {'> 0' if sign > 0 else '< 0'}")

@@ -40,7 +40,6 @@ import multiprocessing
 import os
 import shutil
 import socket
-import tempfile
 from contextlib import closing
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from dataclasses import asdict, dataclass, fields
@@ -49,11 +48,11 @@ from pathlib import Path
 import pandas as pd
 import torch
 import yaml
-from tqdm import tqdm
 
 from lab.errors import LabError
-from lab.runs import git_revision, package_versions, write_json
-from lab.training import TrainConfig, train
+from lab.engine.training import TrainConfig, train
+from lab.progress import bar
+from lab.runs import atomic_dir, git_revision, package_versions, write_json
 
 EXECUTORS = ("local", "ray")
 FIELDS = {f.name for f in fields(TrainConfig)}
@@ -99,7 +98,7 @@ def _check_spec(spec: SweepSpec) -> None:
         bad = sorted(str(k) for k in value if k not in FIELDS)
         if bad:
             raise LabError(f"sweep {part} key(s) {', '.join(bad)} are not TrainConfig fields; "
-                           f"see lab.training.TrainConfig for the fields")
+                           f"see lab.engine.training.TrainConfig for the fields")
     for key, values in spec.grid.items():
         if not isinstance(values, list) or not values:
             raise LabError(f"grid key {key!r} must map to a non-empty list of values, got {values!r}")
@@ -170,16 +169,10 @@ def _train_cell(config: dict) -> dict:
 
 def _write_cell(cells: Path, cid: str, config: dict, out: dict, meta: dict) -> None:
     """Write one cell atomically: a hidden temporary sibling, renamed into place."""
-    tmp = Path(tempfile.mkdtemp(prefix=f".{cid}.", dir=cells))
-    try:
-        os.chmod(tmp, 0o755)  # mkdtemp makes it private; cells are ordinary readable folders
+    with atomic_dir(cells / cid) as tmp:
         write_json(tmp / "config.json", {**config, "cell_id": cid, **meta})
         out["table"].to_parquet(tmp / "steps.parquet", index=False)
         write_json(tmp / "summary.json", out["summary"])
-        os.replace(tmp, cells / cid)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
 
 
 def _done(cells: Path, cid: str) -> bool:
@@ -210,7 +203,7 @@ def _prepare(out: Path, spec: SweepSpec, meta: dict) -> tuple[Path, int]:
 def _run_local(configs: list[dict], workers: int):
     """Yield (index, output) as cells finish, on a forkserver process pool."""
     ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["lab.sweep"])  # workers fork from a server that already imported torch
+    ctx.set_forkserver_preload(["lab.engine.sweep"])  # workers fork from a server that already imported torch
     pool = ProcessPoolExecutor(max_workers=workers, mp_context=ctx)
     try:
         futures = {pool.submit(_train_cell, c): i for i, c in enumerate(configs)}
@@ -288,9 +281,7 @@ def run_sweep(spec: SweepSpec, out_dir, executor: str = "local", workers: int | 
         ids = [cell_id(c) for c in configs]
         todo = [i for i, cid in enumerate(ids) if not _done(cells, cid)]
         skipped = len(configs) - len(todo)
-        quiet = os.environ.get("CI") or os.environ.get("LAB_QUIET")
-        bar = tqdm(total=len(configs), initial=skipped, desc=f"sweep {spec.name}", unit="cell",
-                   disable=bool(quiet) or progress is False)
+        cells_bar = bar(len(configs), f"sweep {spec.name}", progress, initial=skipped, unit="cell")
         failed, done = [], 0
         if todo:
             pending = [configs[i] for i in todo]
@@ -307,8 +298,8 @@ def run_sweep(spec: SweepSpec, out_dir, executor: str = "local", workers: int | 
                     else:
                         _write_cell(cells, ids[i], configs[i], output, meta)
                         done += 1
-                    bar.update(1)
-        bar.close()
+                    cells_bar.update(1)
+        cells_bar.close()
     finally:
         os.close(lock)
     if failed:

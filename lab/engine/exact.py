@@ -1,0 +1,117 @@
+"""Exact objectives, gradients and divergences by enumeration (float64), or their Monte Carlo stand-ins.
+
+A ``Problem`` carries what travels together: the environment, the policy and how expectations are taken
+(``reference``: "exact" enumerates every (prompt, response) pair up to ``enum_limit``; "mc" draws ``mc_samples``
+on-policy samples). A ``Support`` is a set of (prompt, response) pairs with weights such that sum_y w(y) f(y) = E[f]:
+every pair with w = p(y|x)/P (exact), or n samples with w = 1/n (Monte Carlo). Every expectation in the lab is a
+weighted sum over a support, so both modes share code.
+
+- J(theta) = E_x E_{y~pi}[R(x, y)]
+- grad J = E_pi[R grad log pi(y)] = sum_y w_pi(y) R(y) grad log pi(y)   (score form, weights detached)
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+import toy_envs
+from lab.errors import LabError
+from lab.policies import Policy, sample, sequence_log_probs
+
+REFERENCES = ("exact", "mc")
+
+
+@dataclass(frozen=True)
+class Support:
+    prompts: torch.Tensor  # [N]
+    tokens: torch.Tensor  # [N, T]
+    mask: torch.Tensor  # [N, T] float64
+    weights: torch.Tensor  # [N] float64, summing to 1
+    exact: bool
+
+
+@dataclass(frozen=True)
+class Problem:
+    """An environment, a policy for it, and how its expectations are computed."""
+
+    env: object  # a toy_envs environment
+    policy: Policy
+    reference: str = "exact"  # exact (enumeration) | mc (on-policy Monte Carlo sample)
+    enum_limit: int = toy_envs.DEFAULT_ENUM_LIMIT
+    mc_samples: int = 65536
+
+    def check(self) -> None:
+        if self.reference not in REFERENCES:
+            raise LabError(f"unknown reference {self.reference!r}; choose exact or mc")
+        if self.reference == "exact":
+            self.env.check_enumerable(self.enum_limit)
+        elif self.mc_samples < 1:
+            raise LabError(f"the Monte Carlo reference needs at least one sample, got mc_samples={self.mc_samples}")
+
+    def support(self, theta, generator: torch.Generator | None = None, policy: Policy | None = None) -> Support:
+        """The distribution of ``policy`` (default: the problem's) at ``theta`` over (prompt, response) pairs."""
+        policy = policy or self.policy
+        if self.reference == "exact":
+            return exact_support(self.env, policy, theta, self.enum_limit)
+        if self.reference == "mc":
+            return mc_support(self.env, policy, theta, self.mc_samples, generator)
+        raise LabError(f"unknown reference {self.reference!r}; choose exact or mc")
+
+
+def exact_support(env, policy: Policy, theta, enum_limit: int) -> Support:
+    prompts, tokens, mask = env.enumerate(enum_limit)
+    with torch.no_grad():
+        logp = sequence_log_probs(policy, theta.double(), prompts, tokens, mask)
+    return Support(prompts, tokens, mask, torch.exp(logp) / env.n_prompts, True)
+
+
+def mc_support(env, policy: Policy, theta, n: int, generator: torch.Generator) -> Support:
+    prompts = torch.randint(env.n_prompts, (n,), generator=generator)
+    tokens, mask, _ = sample(policy, theta.double(), env, prompts, generator)
+    return Support(prompts, tokens, mask.double(), torch.full((n,), 1.0 / n, dtype=torch.float64), False)
+
+
+def objective(env, support: Support) -> float:
+    """J = sum_y w(y) E[R | x, y]."""
+    return float((support.weights * env.expected_reward(support.prompts, support.tokens, support.mask)).sum())
+
+
+def policy_gradient(env, policy: Policy, theta, support: Support) -> torch.Tensor:
+    """grad J = sum_y w(y) R(y) grad log pi(y) in float64, where ``support`` is pi's own distribution."""
+    theta = theta.detach().double().requires_grad_(True)
+    reward = env.expected_reward(support.prompts, support.tokens, support.mask)
+    logp = sequence_log_probs(policy, theta, support.prompts, support.tokens, support.mask)
+    (grad,) = torch.autograd.grad((support.weights * reward * logp).sum(), theta)
+    return grad
+
+
+def divergence(pi: tuple, mu: tuple, support_mu: Support) -> dict:
+    """Exact (or MC) divergence of the behaviour mu from pi, each a (policy, theta) pair, with ``support_mu`` mu's
+    distribution.
+
+    kl_seq = KL(mu||pi) = E_mu[-L]; kl_token = kl_seq / E_mu[|y|] (per real token, by the chain rule);
+    chi2_seq = E_mu[W^2] - 1; chi2_token = E_mu[sum_t m_t (sum_a pi_t(a)^2/mu_t(a) - 1)] / E_mu[|y|];
+    logw_var = Var_mu(L), with L = log pi(y) - log mu(y) and W = exp(L).
+    """
+    s = support_mu
+    with torch.no_grad():
+        lp_pi = torch.log_softmax(pi[0].logits(pi[1].double(), s.prompts, s.tokens), -1)
+        lp_mu = torch.log_softmax(mu[0].logits(mu[1].double(), s.prompts, s.tokens), -1).to(lp_pi.device)
+        dev = lp_pi.device
+        tok, mask = s.tokens.to(dev)[..., None], s.mask.to(dev)
+        L = ((lp_pi.gather(-1, tok) - lp_mu.gather(-1, tok)).squeeze(-1) * mask).sum(-1)
+        chi2_t = (torch.exp(2 * lp_pi - lp_mu).sum(-1) - 1.0) * mask
+        w = s.weights.to(dev)
+        mean_len = float((w * mask.sum(-1)).sum())
+        kl_seq = float((w * -L).sum())
+        mean_L = float((w * L).sum())
+        return {
+            "kl_seq": kl_seq,
+            "kl_token": kl_seq / mean_len,
+            "chi2_seq": float((w * torch.exp(2 * L)).sum()) - 1.0,
+            "chi2_token": float((w * chi2_t.sum(-1)).sum()) / mean_len,
+            "logw_var": float((w * L**2).sum()) - mean_L**2,
+            "mean_len": mean_len,
+        }
+

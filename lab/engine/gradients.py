@@ -1,0 +1,160 @@
+"""Gradients of estimator losses with respect to policy parameters.
+
+- ``replicate_gradients``: one gradient estimate per replicate batch, as ascent directions -grad loss, [M, D].
+  Two backends, chosen by the policy's ``gradient_backend``:
+  * "rows" (tabular policies): every parameter a batch touches is a gathered row of logits, so torch.func takes
+    vmap over replicates of grad with respect to those gathered logits [B, T, V], and one ``index_add_`` scatters
+    them into the parameter table: the same numbers as differentiating with respect to theta, without
+    materialising a dense [D] gradient per replicate more than once;
+  * "functional" (networks, and any policy): vmap over replicates of grad of the loss through
+    ``policy.logits(theta, ...)`` with respect to theta itself, in chunks of replicates.
+- ``loop_gradients``: the same numbers with ordinary backward passes, one per sample (the tests' reference) or one
+  batched pass per replicate (the benchmarks' strongest baseline).
+- ``expected_gradient``: the exact expectation under mu of a per-batch estimate, by enumeration, for estimators
+  whose batch loss is an average of per-sequence terms given fixed advantages (A = R, no group coupling).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch.func import grad, vmap
+
+from lab.engine.estimator import Estimator
+from lab.policies import token_log_probs
+
+
+def replicate_gradients(policy, theta, batch, advantages, est: Estimator, extras=None, static=None, out=None,
+                        chunk: int | None = None):
+    """Ascent-direction estimates [M, D] and metrics {key: [M]} for every replicate of ``batch`` ([M, B, ...]).
+
+    ``extras`` maps extra input names to tensors with the replicate axis first; ``static`` to plain values.
+    ``out``, an [M, D] tensor from an earlier call, is zeroed and reused (a fresh M x D block costs more to
+    fault in than the arithmetic). ``chunk``: replicates per vmap call of the functional backend (None: all).
+    """
+    M = batch.prompts.shape[0]
+    chunks = list(stream_gradients(policy, theta, batch, advantages, est, extras, static, chunk, out))
+    if len(chunks) == 1:  # the rows backend's own buffer, or one vmap call
+        return chunks[0][1], chunks[0][2]
+    out = _buffer(out, M, chunks[0][1].shape[1], theta.dtype)
+    for rows, g, _ in chunks:
+        out[rows] = g.to(out.device)
+    return out, {k: torch.cat([c[2][k] for c in chunks]) for k in chunks[0][2]}
+
+
+def stream_gradients(policy, theta, batch, advantages, est: Estimator, extras=None, static=None, chunk=None,
+                     out=None):
+    """Yield (replicate rows, estimates [c, D] on theta's device, metrics) chunk by chunk (see replicate_gradients).
+
+    The rows backend yields all M replicates at once (into ``out`` when given); the functional backend yields
+    ``chunk`` replicates per vmap call, so only [chunk, D] estimates exist at a time.
+    """
+    extras = extras or {}
+    est.check_inputs([*extras, *(static or {})])
+    loss = est.ascent_loss(static)
+    if policy.gradient_backend == "rows":
+        g, metrics = _rows_backend(policy, theta, batch, advantages, loss, extras, out)
+        yield slice(0, g.shape[0]), g, metrics
+        return
+    yield from _functional_backend(policy, theta, batch, advantages, loss, extras, chunk)
+
+
+def _buffer(out, M: int, D: int, dtype) -> torch.Tensor:
+    if out is None or out.shape != (M, D) or out.dtype != dtype:
+        return torch.zeros(M, D, dtype=dtype)
+    return out.zero_()
+
+
+def _rows_backend(policy, theta, batch, advantages, loss, extras, out):
+    V = policy.vocab_size
+    table = theta.reshape(-1, V)
+    M, R = batch.prompts.shape[0], table.shape[0]
+    rows = policy.rows(batch.prompts, batch.tokens)  # [M, B, T]
+    logits = F.embedding(rows, table)  # [M, B, T, V]: the only way the loss depends on theta
+    g, metrics = vmap(grad(loss, has_aux=True))(logits, batch.tokens, batch.mask, batch.behaviour_log_probs,
+                                                advantages, extras)
+    out = _buffer(out, M, R * V, theta.dtype)
+    index = (rows + torch.arange(M)[:, None, None] * R).reshape(-1)
+    out.view(M * R, V).index_add_(0, index, g.reshape(-1, V))
+    return out, metrics
+
+
+def _functional_backend(policy, theta, batch, advantages, loss, extras, chunk):
+    """vmap over replicates of grad through ``policy.logits`` w.r.t. theta itself, on theta's device."""
+    def per_batch(th, prompts, tokens, mask, old, adv, ex):
+        return loss(policy.logits(th, prompts, tokens), tokens, mask, old, adv, ex)
+
+    per_replicate = vmap(grad(per_batch, has_aux=True), in_dims=(None, 0, 0, 0, 0, 0, 0))
+    dev, th = theta.device, theta.detach()
+    M = batch.prompts.shape[0]
+    chunk = chunk or M
+    for s in range(0, M, chunk):
+        sl = slice(s, min(s + chunk, M))
+        g, m = per_replicate(th, batch.prompts[sl].to(dev), batch.tokens[sl].to(dev), batch.mask[sl].to(dev),
+                             batch.behaviour_log_probs[sl].to(dev), advantages[sl].to(dev),
+                             {k: v[sl].to(dev) for k, v in extras.items()})
+        yield sl, g.reshape(g.shape[0], -1), {k: v.cpu() for k, v in m.items()}
+
+
+def loop_gradients(policy, theta, batch, advantages, est: Estimator, extras=None, static=None, per: str = "sample"):
+    """The same estimates as ``replicate_gradients``, with a Python loop of ordinary backward passes.
+
+    ``per="replicate"``: one batched backward pass per replicate batch (what a researcher writes first, and the
+    strongest obvious alternative to the engine). ``per="sample"``: one backward pass per sample, the reference the
+    tests compare the engine with: every estimator's batch loss but GVPO's is an aggregate of per-sequence terms
+    (``agg_loss``), so each sample's loss is computed on a one-sample batch and weighted by its share of the batch
+    loss (its token count over the batch's for token-mean, 1/B for the other modes). GVPO's loss couples the
+    samples of a group, so estimators that need groups always get one pass per replicate. The logits, when the
+    estimator reads them, come from theta.
+    """
+    extras = extras or {}
+    est.check_inputs([*extras, *(static or {})])
+    ascent_loss = est.ascent_loss(static)
+    M, B = batch.prompts.shape
+    whole = per == "replicate" or est.needs_groups
+    out = torch.zeros(M, theta.numel(), dtype=theta.dtype)
+    for m in range(M):
+        th = theta.detach().clone().requires_grad_(True)  # the sample gradients accumulate in th.grad
+        n_tokens = batch.mask[m].sum().clamp(min=1.0)
+        for part in [slice(0, B)] if whole else [slice(i, i + 1) for i in range(B)]:
+            mask = batch.mask[m, part]
+            logits = policy.logits(th, batch.prompts[m, part], batch.tokens[m, part])
+            value, _ = ascent_loss(logits, batch.tokens[m, part], mask, batch.behaviour_log_probs[m, part],
+                                   advantages[m, part], {k: v[m, part] for k, v in extras.items()})
+            if whole:
+                weight = 1.0
+            elif est.loss_agg_mode == "token-mean":
+                weight = mask.sum() / n_tokens
+            else:
+                weight = 1.0 / B
+            (weight * value).backward()
+        out[m] = th.grad.reshape(-1)
+    return out
+
+
+def separable(loss_agg_mode: str, env) -> bool:
+    """Whether the batch loss is a fixed-weight average of per-sequence terms (so enumeration gives its mean)."""
+    return loss_agg_mode != "token-mean" or not env.eos
+
+
+def expected_gradient(env, policy, theta_pi, mu: tuple, support_mu, est: Estimator):
+    """E_mu[estimate] exactly (float64), advantages A = E[R | x, y]; None when the loss is not separable.
+
+    ``mu`` is the behaviour (policy, theta) and ``support_mu`` its distribution. The per-token coefficients
+    c = d loss / d log pi on the enumerated batch of N pairs are (1/N) times each sequence's own coefficients;
+    reweighting them by N mu(y) and pulling back through log pi gives the mean. For Bernoulli rewards A = E[R|x,y]
+    is exact because every estimator here is linear in A for A >= 0.
+    """
+    if not separable(est.loss_agg_mode, env):
+        return None
+    s = support_mu
+    with torch.no_grad():
+        old = token_log_probs(mu[0], mu[1].double(), s.prompts, s.tokens) * s.mask
+    adv = env.expected_reward(s.prompts, s.tokens, s.mask)[:, None] * s.mask
+    theta = theta_pi.detach().double().requires_grad_(True)
+    log_prob = (token_log_probs(policy, theta, s.prompts, s.tokens) * s.mask)
+    lp_leaf = log_prob.detach().requires_grad_(True)
+    loss, _ = est.loss_on_log_probs(lp_leaf, old, adv, s.mask)
+    (coef,) = torch.autograd.grad(loss, lp_leaf)
+    coef = coef * s.weights[:, None] * s.weights.shape[0]
+    (g,) = torch.autograd.grad((coef.detach() * log_prob).sum(), theta)
+    return -g.reshape(-1)

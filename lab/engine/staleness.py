@@ -1,0 +1,104 @@
+"""Behaviour policies mu for a current policy pi: each staleness knob is a number a user sets and reads back as a
+measured divergence (``lab.engine.exact.divergence``). A behaviour is a (policy, theta) pair.
+
+- lag k:          mu = the snapshot k optimiser steps behind pi on a real optimisation trajectory of the same
+                  policy (Adam on the exact, or Monte Carlo, policy gradient of the env's objective); pi is the
+                  trajectory's last snapshot. Stale rollouts in synchronous mini-batching are this.
+- kl target d:    mu's logits = pi's logits + s z(state) with a fixed noise z ~ N(0, 1) per (state, token)
+                  (``Perturbed``); s is found by Brent's method so that the per-token KL(mu||pi) =
+                  KL_seq / E_mu[|y|] equals d.
+- temperature t:  mu's logits = pi's logits / t, the sampler's temperature (``Tempered``).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from scipy.optimize import brentq
+
+from lab.engine.exact import Problem, divergence, policy_gradient
+from lab.errors import LabError
+from lab.policies import Perturbed, Tempered
+
+KINDS = ("lag", "kl", "temperature")
+
+
+@dataclass
+class Trajectory:
+    """Snapshots theta_0 .. theta_K (float64) of Adam ascent on J; pi = theta_K."""
+
+    snapshots: torch.Tensor  # [K + 1, *shape]
+
+    @property
+    def current(self) -> torch.Tensor:
+        return self.snapshots[-1]
+
+    @property
+    def steps(self) -> int:
+        return self.snapshots.shape[0] - 1
+
+
+def optimisation_trajectory(problem: Problem, theta0, steps: int, lr: float, generator: torch.Generator) -> Trajectory:
+    """Adam (beta 0.9/0.999) ascent on J from theta0 for ``steps`` steps, keeping every snapshot."""
+    theta = theta0.detach().double().clone().requires_grad_(True)
+    opt = torch.optim.Adam([theta], lr=lr)
+    snaps = [theta.detach().clone()]
+    for _ in range(steps):
+        support = problem.support(theta.detach(), generator)
+        theta.grad = -policy_gradient(problem.env, problem.policy, theta.detach(), support)
+        opt.step()
+        snaps.append(theta.detach().clone())
+    return Trajectory(torch.stack(snaps))
+
+
+def check_value(kind: str, value: float, max_lag: int) -> None:
+    if kind not in KINDS:
+        raise LabError(f"unknown staleness kind {kind!r}; choose one of {', '.join(KINDS)}")
+    if not math.isfinite(value):
+        raise LabError(f"staleness value must be a finite number, got {value}")
+    if kind == "lag":
+        if value < 0 or value != int(value):
+            raise LabError(f"lag must be a non-negative whole number of optimiser steps, got {value}")
+        if value > max_lag:
+            raise LabError(f"lag {int(value)} exceeds the trajectory length {max_lag}; raise --trajectory-steps")
+    elif kind == "kl" and value < 0:
+        raise LabError(f"KL target must be non-negative, got {value}")
+    elif kind == "temperature" and value <= 0:
+        raise LabError(f"temperature must be positive, got {value}")
+
+
+def kl_target(problem: Problem, theta_pi, target: float, generator: torch.Generator) -> tuple:
+    """(Perturbed policy, theta_pi) whose per-token KL(mu||pi) equals ``target``."""
+    policy = problem.policy
+    z = policy.noise_table(generator)
+    if target == 0:
+        return policy, theta_pi.clone()
+    # Common random numbers in MC mode: one generator state for every evaluation of the bisection.
+    state = generator.get_state()
+
+    def kl_at(scale):
+        mu = Perturbed(policy, z, scale)
+        generator.set_state(state)
+        support = problem.support(theta_pi, generator, policy=mu)
+        return divergence((policy, theta_pi), (mu, theta_pi), support)["kl_token"]
+
+    lo, hi = 0.0, 1.0
+    while kl_at(hi) < target:
+        lo, hi = hi, hi * 2
+        if hi > 2**12:
+            raise LabError(f"KL target {target} is out of reach of logit perturbations; use a smaller value")
+    scale = brentq(lambda s: kl_at(s) / target - 1.0, lo, hi, rtol=1e-10, xtol=1e-12 * hi, maxiter=200)
+    return Perturbed(policy, z, scale), theta_pi
+
+
+def behaviour(problem: Problem, kind: str, value: float, trajectory: Trajectory, generator) -> tuple:
+    """mu = (policy, theta) for one staleness setting; pi = (problem.policy, trajectory.current)."""
+    K = trajectory.steps
+    check_value(kind, value, K)
+    pi = trajectory.current
+    if kind == "lag":
+        return problem.policy, trajectory.snapshots[K - int(value)].clone()
+    if kind == "temperature":
+        return Tempered(problem.policy, value), pi
+    return kl_target(problem, pi, value, generator)

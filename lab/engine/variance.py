@@ -1,0 +1,105 @@
+"""The variance engine: every estimator on the same replicate batches from one behaviour policy.
+
+``measure`` draws M independent batches of B responses from mu (B/G prompts drawn uniformly, G responses each),
+computes group advantages, evaluates every estimator on the same batches (per-replicate gradients, vmap over
+replicates) and compares the M estimates with the target c * grad J of pi (c from the estimator's aggregation;
+estimators whose on-policy gradient is a multiple of grad J, as GVPO's beta, are divided by it first). It returns
+tidy rows: sampled weight diagnostics (estimator "-") and, per estimator, the statistics of
+``lab.engine.metrics.gram_metrics``, the estimator's own metrics, and with advantage "reward" on an exact reference
+``exact_bias_norm`` = ||E_mu[g] - g*|| by enumeration.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from lab import advantages as adv_mod
+from lab import stats
+from lab.engine.batches import draw_batches
+from lab.engine.exact import Problem, Support
+from lab.engine.gradients import expected_gradient, stream_gradients
+from lab.engine.batches import Batch
+from lab.engine.metrics import streamed_metrics, weight_diagnostics
+from lab.policies import token_log_probs
+
+PROVIDED_INPUTS = ("rewards", "group_size", "logits")  # extra estimator inputs the engine provides
+GRADIENT_MEMORY_BUDGET = 2 * 2**30  # bytes of gradient estimates held at once (lab.engine.metrics.streamed_metrics)
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How the replicate batches are drawn, differentiated and summarised."""
+
+    replicates: int  # M
+    batch_size: int  # B
+    group_size: int  # G
+    advantage: str  # lab.advantages kind
+    ci: float  # interval coverage
+    n_boot: int  # bootstrap resamples
+    chunk: int | None = None  # replicates per vmap call of the functional gradient backend (None: all)
+    memory_budget: int = GRADIENT_MEMORY_BUDGET  # bytes of estimates held at once (beyond: a multi-pass exact Gram)
+
+
+def measure(problem: Problem, theta_pi, mu: tuple, support_mu: Support | None, ests: list, grad_j: torch.Tensor,
+            sampling: Sampling, generator: torch.Generator, rng: np.random.Generator, on_estimator=None):
+    """(rows, per-estimator point values, intervals) for one behaviour mu = (policy, theta).
+
+    ``rows`` are dicts (estimator, metric, value, lo, hi); ``grad_j`` is the exact (or reference) grad J of pi,
+    flat; ``on_estimator`` is called after each estimator (progress). The same ``generator`` draws the batches
+    and ``rng`` the bootstrap counts, shared by every estimator.
+    """
+    env, policy = problem.env, problem.policy
+    M, B, G = sampling.replicates, sampling.batch_size, sampling.group_size
+    batch = draw_batches(env, mu, M, B, G, generator)
+    adv = adv_mod.group_advantages(batch.rewards.reshape(M, B // G, G), sampling.advantage).reshape(M, B)
+    adv = adv[..., None] * batch.mask
+    counts = stats.bootstrap_counts(M, sampling.n_boot, rng)
+    theta32 = theta_pi.float()
+    with torch.no_grad():
+        lp_pi = token_log_probs(policy, theta32, batch.prompts, batch.tokens) * batch.mask
+    rows = []
+
+    def add(estimator, metric, v, lo=None, hi=None):
+        rows.append({"estimator": estimator, "metric": metric, "value": float(v),
+                     "lo": float(v if lo is None else lo), "hi": float(v if hi is None else hi)})
+
+    for metric, (v, lo, hi) in weight_diagnostics(batch, lp_pi, counts, sampling.ci).items():
+        add("-", metric, v, lo, hi)
+    add("-", "mean_reward_sampled", *stats.mean_interval(batch.rewards.mean(-1).numpy(), counts, sampling.ci))
+    points, intervals = {}, {}
+    buffer = None  # the [M, D] estimates of the exact path, one buffer reused by every estimator
+    exact_bias = problem.reference == "exact" and sampling.advantage == "reward" and support_mu is not None
+    D = int(np.prod(policy.shape))
+    for est in ests:
+        scale = est.grad_scale
+        g_star = est.target_scale(env.length) * grad_j
+        stream = _estimates(policy, theta32, batch, adv, est, G, sampling.chunk, scale, buffer)
+        res, metrics, buffer = streamed_metrics(stream, M, D, g_star, sampling.memory_budget, counts, sampling.ci,
+                                                buffer)
+        if exact_bias and not est.info.inputs:
+            expected = expected_gradient(env, policy, theta_pi, mu, support_mu, est)
+            if expected is not None:
+                res["exact_bias_norm"] = (float((expected / scale - g_star).norm()),) * 3
+        for metric, values in metrics.items():
+            res[metric] = stats.mean_interval(values.double().numpy(), counts, sampling.ci)
+        for metric, (v, lo, hi) in res.items():
+            add(est.name, metric, v, lo, hi)
+        points[est.name] = {m: v[0] for m, v in res.items()}
+        intervals[est.name] = {m: [v[1], v[2]] for m, v in res.items()}
+        if on_estimator:
+            on_estimator()
+    return rows, points, intervals
+
+
+def _estimates(policy, theta, batch: Batch, adv, est, G: int, chunk, scale: float, buffer):
+    """stream(start): the estimates (divided by the estimator's on-policy scale) of replicates start..M-1."""
+    def stream(start: int):
+        sub = Batch(batch.prompts[start:], batch.tokens[start:], batch.mask[start:],
+                    batch.behaviour_log_probs[start:], batch.rewards[start:], batch.group_size)
+        out = buffer if start == 0 else None
+        for reps, g, m in stream_gradients(policy, theta, sub, adv[start:], est, {"rewards": sub.rewards},
+                                           {"group_size": G}, chunk, out=out):
+            yield slice(reps.start + start, reps.stop + start), (g if scale == 1 else g / scale), m
+    return stream

@@ -1,0 +1,18 @@
+"""Progress bars: tqdm on stderr, quiet under CI (env ``CI``) or when ``LAB_QUIET`` is set.
+
+The environment is read here only; every long loop calls ``bar(...)`` and may force it off with ``enabled=False``.
+"""
+from __future__ import annotations
+
+import os
+
+from tqdm import tqdm
+
+
+def quiet() -> bool:
+    return bool(os.environ.get("CI") or os.environ.get("LAB_QUIET"))
+
+
+def bar(total: int, desc: str, enabled: bool | None = None, **kw) -> tqdm:
+    """A tqdm bar; ``enabled=None`` follows the environment, False always hides it."""
+    return tqdm(total=total, desc=desc, disable=quiet() or enabled is False, **kw)

@@ -1,0 +1,63 @@
+"""What every report shares: one colour per estimator, interval formatting, table styling.
+
+Colours follow the registry order, so an estimator keeps its colour in every report and figure; variants of an
+estimator (``vopd_top8``, ``opd_rtg``) take their base estimator's colour family.
+"""
+from __future__ import annotations
+
+import pandas as pd
+
+from lab import estimators
+
+# 24 distinguishable colours (tab10, then the darker / lighter halves of tab20b and tab20c)
+_PALETTE = ["#7f7f7f", "#d62728", "#9467bd", "#ff7f0e", "#8c564b", "#e377c2", "#17becf", "#bcbd22",
+            "#2ca02c", "#1f77b4", "#393b79", "#637939", "#8c6d31", "#843c39", "#7b4173", "#3182bd",
+            "#e6550d", "#31a354", "#756bb1", "#636363", "#6baed6", "#fd8d3c", "#74c476", "#9e9ac8"]
+_PINNED = {"reinforce": "#7f7f7f", "seq_is": "#d62728", "token_is": "#9467bd", "ppo_clip": "#ff7f0e",
+           "vespo": "#1f77b4", "gvpo": "#2ca02c", "opd": "#7f7f7f", "vopd": "#1f77b4", "kl_full": "#2ca02c"}
+_VARIANTS = {"opd_rtg": "#bcbd22", "vopd_top": "#6baed6", "kl_top": "#74c476"}
+
+
+def _registry_colors() -> dict[str, str]:
+    free = [c for c in _PALETTE if c not in set(_PINNED.values())]
+    out, i = {}, 0
+    for name in estimators.names():
+        if name in _PINNED:
+            out[name] = _PINNED[name]
+        else:
+            out[name] = free[i % len(free)]
+            i += 1
+    return out
+
+
+ESTIMATOR_COLORS = _registry_colors()
+
+
+def color(name: str) -> str:
+    """The colour of an estimator (or of a variant label such as vopd_top8); grey for anything unknown."""
+    if name in ESTIMATOR_COLORS:
+        return ESTIMATOR_COLORS[name]
+    for prefix, c in _VARIANTS.items():
+        if name.startswith(prefix):
+            return c
+    return "#555555"
+
+
+def interval(value, lo, hi, fmt: str = "{:.3g}") -> str:
+    """'v [lo, hi]' with one format for all three."""
+    return f"{fmt.format(value)} [{fmt.format(lo)}, {fmt.format(hi)}]"
+
+
+def table(df: pd.DataFrame, caption: str, highlight: dict | None = None):
+    """A pandas Styler with the lab's table look: no index, right-aligned cells, caption on top; ``highlight``
+    maps row positions to the columns to mark (bold on green)."""
+    styled = df.style.hide(axis="index")
+    if highlight:
+        marks = pd.DataFrame("", index=df.index, columns=df.columns)
+        for i, cols in highlight.items():
+            for c in cols:
+                marks.iloc[i, df.columns.get_loc(c)] = "font-weight: bold; background-color: #e3f4e1"
+        styled = styled.apply(lambda _: marks, axis=None)
+    return (styled.set_table_attributes('class="lab-headline"').set_caption(caption)
+            .set_table_styles([{"selector": "caption", "props": "caption-side: top; text-align: left; color: #555;"},
+                               {"selector": "td, th", "props": "text-align: right; padding: 3px 10px;"}]))

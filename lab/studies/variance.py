@@ -1,0 +1,208 @@
+"""The variance study: bias, variance and MSE of every estimator as the behaviour policy goes stale.
+
+pi is the end of an Adam trajectory on the exact objective; each staleness setting builds mu (``lab.engine.staleness``),
+measures its exact divergence from pi, and runs the variance engine (``lab.engine.variance.measure``) on the same
+replicate batches for every estimator. Results: tidy rows keyed by (env, policy, staleness_kind, staleness, seed,
+reference, estimator, metric); divergence rows have estimator "-".
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+import pandas as pd
+import torch
+
+import toy_envs
+from lab import advantages as adv_mod
+from lab import estimators
+from lab.engine.estimator import Estimator
+from lab.engine.exact import REFERENCES, Problem, divergence, policy_gradient
+from lab.engine.staleness import KINDS, behaviour, check_value, optimisation_trajectory
+from lab.engine.variance import GRADIENT_MEMORY_BUDGET, PROVIDED_INPUTS, Sampling, measure
+from lab.errors import LabError
+from lab.policies import check_device, init_params, make_policy
+from lab.progress import bar
+from lab.seeding import derive_seed, generator
+from lab.studies import StudyResult
+
+DEFAULT_ESTIMATORS = ("reinforce", "seq_is", "token_is", "ppo_clip")
+
+
+@dataclass
+class Config:
+    """One variance study. Every field has a default: ``Config()`` runs in seconds."""
+
+    env: str = "tiny_target"
+    """toy env preset (see `lab envs`)"""
+    env_overrides: dict = field(default_factory=dict, metadata={"flag": "--set", "parse": "pairs"})
+    """env fields to change, e.g. length=6"""
+    policy: str = "prefix"
+    """prefix (any sequence distribution) | markov"""
+    staleness: str = "lag"
+    """lag | kl | temperature"""
+    values: list = field(default_factory=lambda: [0, 1, 2, 4, 8, 16, 32, 64], metadata={"parse": "list"})
+    """staleness settings"""
+    estimators: list = field(default_factory=lambda: list(DEFAULT_ESTIMATORS), metadata={"parse": "list"})
+    """estimator names (see `lab estimators`)"""
+    hyper: dict = field(default_factory=dict, metadata={"parse": "estimator_pairs"})
+    """hyper-parameter overrides, e.g. ppo_clip.clip_ratio_c=3.0"""
+    advantage: str = "rloo"
+    """reward | rloo | grpo | drgrpo"""
+    group_size: int = 8
+    """G responses per prompt"""
+    batch_size: int = 64
+    """B responses per batch (a multiple of G)"""
+    replicates: int = 500
+    """M independent batches per setting"""
+    loss_agg_mode: str = field(default="seq-mean-token-sum", metadata={"flag": "--agg"})
+    """loss aggregation mode, or native (each estimator's own)"""
+    reference: str = "exact"
+    """exact (enumeration) | mc (Monte Carlo reference for large spaces)"""
+    mc_samples: int = 65536
+    """samples behind each Monte Carlo expectation"""
+    enum_limit: int = toy_envs.DEFAULT_ENUM_LIMIT
+    """largest number of (prompt, response) pairs to enumerate"""
+    init_scale: float = 1.0
+    """initial logits ~ N(0, init_scale^2)"""
+    trajectory_steps: int = 64
+    """Adam steps from the initial policy to pi (the lag knob's trajectory)"""
+    lr: float = 0.05
+    """Adam learning rate of that trajectory"""
+    n_boot: int = 1000
+    """bootstrap resamples"""
+    ci: float = 0.95
+    """interval coverage"""
+    seed: int = 0
+    """seed of every random stream of the study"""
+    device: str = "cpu"
+    """where the policy's forward and backward passes run: cpu | cuda (network policies)"""
+    chunk: int = 0
+    """replicates per vmap call of a network policy's gradients (0: all at once); bounds memory"""
+
+    def make_env(self):
+        return toy_envs.make(self.env, **self.env_overrides)
+
+    def problem(self) -> Problem:
+        env = self.make_env()
+        return Problem(env, make_policy(self.policy, env), self.reference, self.enum_limit, self.mc_samples)
+
+    def resolved(self) -> list[Estimator]:
+        """The estimators, resolved once (registry entry, hyper-parameters, aggregation)."""
+        return [Estimator.resolve(n, self.hyper.get(n, {}), self.loss_agg_mode) for n in self.estimators]
+
+    def validate(self) -> None:
+        problem = self.problem()
+        if self.staleness not in KINDS:
+            raise LabError(f"unknown staleness kind {self.staleness!r}; choose one of {', '.join(KINDS)}")
+        if not self.values:
+            raise LabError("give at least one staleness value")
+        for v in self.values:
+            check_value(self.staleness, float(v), self.trajectory_steps)
+        self._validate_estimators()
+        if self.batch_size < 1:
+            raise LabError(f"batch size must be at least 1, got {self.batch_size}")
+        if self.replicates < 2:
+            raise LabError(f"replicates must be at least 2 to measure a variance, got {self.replicates}")
+        adv_mod.check(self.advantage, self.group_size)
+        if self.batch_size % self.group_size:
+            raise LabError(f"batch size {self.batch_size} must be a multiple of the group size {self.group_size}")
+        if self.reference not in REFERENCES:
+            raise LabError(f"unknown reference {self.reference!r}; choose exact or mc")
+        problem.check()
+        if not (math.isfinite(self.init_scale) and self.init_scale >= 0):
+            raise LabError(f"init scale must be a finite non-negative number, got {self.init_scale}")
+        if self.trajectory_steps < 0 or self.lr <= 0 or not math.isfinite(self.lr):
+            raise LabError("trajectory steps must be >= 0 and the learning rate a positive number")
+        if not 0 < self.ci < 1 or self.n_boot < 10:
+            raise LabError("ci must lie in (0, 1) and n_boot be at least 10")
+        D = int(np.prod(problem.policy.shape))
+        if problem.policy.gradient_backend == "rows" and self.replicates * D * 4 > GRADIENT_MEMORY_BUDGET:
+            raise LabError(f"{self.replicates} replicates x {D:,} parameters need {self.replicates * D * 4 / 2**30:.1f} "
+                           f"GiB of gradient estimates (budget {GRADIENT_MEMORY_BUDGET / 2**30:.0f} GiB); use fewer "
+                           f"replicates or the markov policy")
+        if self.chunk < 0:
+            raise LabError(f"chunk must be a non-negative number of replicates (0: all), got {self.chunk}")
+        check_device(self.device)
+
+    def _validate_estimators(self) -> None:
+        if not self.estimators:
+            raise LabError("give at least one estimator")
+        for name in self.estimators:
+            info = estimators.info(name)
+            if info.family == "distillation":
+                raise LabError(f"estimator {name!r} distils a teacher and has its own target; use the distillation "
+                               f"study (`lab report opd_variance`)")
+            Estimator.resolve(name, self.hyper.get(name, {}), self.loss_agg_mode).check_inputs(PROVIDED_INPUTS)
+            if not applicable(name):
+                raise LabError(f"estimator {name!r} is a KL penalty: its gradient targets a divergence, not grad J; "
+                               f"leave it out of variance studies")
+            if "group_size" in info.inputs and self.group_size < 2:
+                raise LabError(f"estimator {name!r} needs groups of at least 2 responses per prompt; "
+                               f"raise --group-size")
+        unknown = set(self.hyper) - set(self.estimators)
+        if unknown:
+            raise LabError(f"hyper-parameters given for estimator(s) not in the study: {', '.join(sorted(unknown))}")
+
+
+def applicable(name: str) -> bool:
+    """Whether an estimator is a policy-gradient estimator this study can run (inputs provided, not a penalty)."""
+    info = estimators.info(name)
+    return info.family != "kl-penalty" and set(info.inputs) <= set(PROVIDED_INPUTS)
+
+
+def best_by_mse(per_estimator: dict) -> str | None:
+    """The lowest-MSE estimator, or None when none beats a zero update (relative MSE >= 1)."""
+    best = min(per_estimator, key=lambda n: per_estimator[n]["rel_mse"])
+    return best if per_estimator[best]["rel_mse"] < 1 else None
+
+
+def run(cfg: Config, progress: bool | None = None) -> StudyResult:
+    """(tidy results, summary) of one variance study; deterministic given ``cfg.seed``."""
+    cfg.validate()
+    problem, ests = cfg.problem(), cfg.resolved()
+    env = problem.env
+    torch_gen = generator(cfg.seed, 0)
+    theta0 = init_params(problem.policy, cfg.init_scale, torch_gen).to(cfg.device)
+    traj = optimisation_trajectory(problem, theta0, cfg.trajectory_steps, cfg.lr, torch_gen)
+    theta_pi = traj.current
+    support_pi = problem.support(theta_pi, generator(cfg.seed, 1))
+    grad_j = policy_gradient(env, problem.policy, theta_pi, support_pi).reshape(-1)
+    sampling = Sampling(cfg.replicates, cfg.batch_size, cfg.group_size, cfg.advantage, cfg.ci, cfg.n_boot,
+                        chunk=cfg.chunk or None)
+    key = dict(env=env.name, policy=cfg.policy, staleness_kind=cfg.staleness, seed=cfg.seed, reference=cfg.reference)
+    rows, per_value = [], []
+    bars = bar(len(cfg.values) * len(ests), "variance", progress)
+    for i, value in enumerate(cfg.values):
+        gen = generator(cfg.seed, 2, i)
+        mu = behaviour(problem, cfg.staleness, float(value), traj, gen)
+        support_mu = problem.support(mu[1], gen, policy=mu[0])
+        div = divergence((problem.policy, theta_pi), mu, support_mu)
+        setting = {**key, "staleness": float(value)}
+        rows += [{**setting, "estimator": "-", "metric": m, "value": float(v), "lo": float(v), "hi": float(v)}
+                 for m, v in div.items()]
+        measured, points, intervals = measure(problem, theta_pi, mu, support_mu, ests, grad_j, sampling, gen,
+                                              np.random.default_rng(derive_seed(cfg.seed, 3, i)),
+                                              on_estimator=lambda: bars.update(1))
+        rows += [{**setting, **r} for r in measured]
+        diag = {r["metric"]: [r["value"], r["lo"], r["hi"]] for r in measured if r["estimator"] == "-"}
+        per_value.append({"staleness": float(value), **div, "ess_frac": diag["ess_frac"], "khat": diag["khat"],
+                          "estimators": points, "intervals": intervals})
+    bars.close()
+    summary = {
+        "study": "variance",
+        "env": env.name,
+        "policy": cfg.policy,
+        "staleness": cfg.staleness,
+        "reference": cfg.reference,
+        "target_grad_norm": float(grad_j.norm()),
+        "loss_agg_modes": {e.name: e.loss_agg_mode for e in ests},
+        "objective": float((support_pi.weights * env.expected_reward(support_pi.prompts, support_pi.tokens,
+                                                                        support_pi.mask)).sum()),
+        "best_by_mse": {str(e["staleness"]): best_by_mse(e["estimators"]) for e in per_value},
+        "per_value": per_value,
+        "config": {k: getattr(cfg, k) for k in ("batch_size", "group_size", "advantage", "loss_agg_mode",
+                                                "replicates")},
+    }
+    return StudyResult(pd.DataFrame(rows), summary)
