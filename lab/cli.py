@@ -79,7 +79,14 @@ def cmd_sweep(args) -> int:
 
     spec = load_spec(args.spec)
     out = Path(args.out or f"runs/sweeps/{spec.name}")
-    counts = run_sweep(spec, out, executor=args.executor, workers=args.workers, address=args.address)
+    try:
+        counts = run_sweep(spec, out, executor=args.executor, workers=args.workers, address=args.address)
+    except KeyboardInterrupt:
+        if not out.exists():
+            raise
+        print(f"error: interrupted; the finished cells are kept in {out}: rerun the same command to resume",
+              file=sys.stderr)
+        return 130
     print(f"wrote {out}: {counts['done']} cells run, {counts['skipped']} already done, {counts['total']} in all")
     return 0
 
@@ -87,17 +94,24 @@ def cmd_sweep(args) -> int:
 def cmd_report(args) -> int:
     from lab import reports
     from lab.configs import pairs
+    from lab.reports import params as report_params
 
     if args.all:
-        if args.name or args.param:
-            raise LabError("give either a report name (with -p) or --all, not both")
+        if args.name or args.param or args.file or args.params:
+            raise LabError("give either a report name (with -p / -f) or --all, not both")
         for path in reports.run_all(out_root=Path(args.out)):
-            print(f"wrote {path}")
+            print(f"wrote {path}", flush=True)
         return 0
     if not args.name:
         raise LabError(f"name a report ({', '.join(reports.names())}) or pass --all")
-    path = reports.run_report(args.name, pairs(args.param, "-p"), out_root=Path(args.out))
-    print(f"wrote {path}")
+    if args.params:
+        for p in reports.parameters(args.name).values():
+            print(f"{p.name:<22}{p.kind:<16}{p.default!r:<40} {p.help}")
+        return 0
+    given = {**(report_params.from_file(args.file) if args.file else {}), **pairs(args.param, "-p")}
+    path = reports.run_report(args.name, given, out_root=Path(args.out))
+    index = reports.write_index(Path(args.out))
+    print(f"wrote {path} and refreshed {index}")
     return 0
 
 
@@ -131,7 +145,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     r = sub.add_parser("report", help="execute a report notebook into reports/ with an HTML export")
     r.add_argument("name", nargs="?", help="report name")
-    r.add_argument("-p", "--param", action="append", metavar="KEY=VALUE", help="notebook parameter")
+    r.add_argument("-p", "--param", action="append", metavar="KEY=VALUE",
+                   help="notebook parameter (lists: a,b,c or JSON)")
+    r.add_argument("-f", "--file", default=None, metavar="PARAMS.yaml", help="notebook parameters from a YAML file")
+    r.add_argument("--params", action="store_true", help="list the report's parameters with types and defaults")
     r.add_argument("--all", action="store_true", help="build every report with its defaults and the gallery")
     r.add_argument("--out", default="reports", help="reports folder")
     r.set_defaults(func=cmd_report)

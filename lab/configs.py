@@ -146,3 +146,41 @@ def from_args(cls, args, **extra):
 
 def is_config(obj) -> bool:
     return is_dataclass(obj) and not isinstance(obj, type)
+
+
+SEED_MAX = 2**63 - 1
+
+
+def check_types(cfg) -> None:
+    """Every field holds a value of its default's kind: whole numbers for int fields (not floats, not strings, not
+    booleans), real numbers for float fields, strings, booleans, lists and mappings where those are expected."""
+    for f in fields(cfg):
+        default, value = default_of(f), getattr(cfg, f.name)
+        if default is None:
+            continue
+        kind = type(default)
+        if kind is bool:
+            ok = isinstance(value, bool)
+        elif kind is int:
+            ok = isinstance(value, int) and not isinstance(value, bool)
+        elif kind is float:
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        else:
+            ok = isinstance(value, kind)
+        if not ok:
+            what = {int: "a whole number", float: "a number", bool: "true or false", str: "a string", list: "a list",
+                    dict: "a mapping"}.get(kind, kind.__name__)
+            raise LabError(f"{f.name} must be {what}, got {value!r}")
+    seed = getattr(cfg, "seed", 0)
+    if not 0 <= seed <= SEED_MAX:
+        raise LabError(f"seed must be a whole number between 0 and 2^63 - 1, got {seed}")
+
+
+def check_unique(name: str, values: list) -> None:
+    """Refuse repeated entries (they would duplicate rows of the results table)."""
+    seen = set()
+    for v in values:
+        key = json.dumps(v, sort_keys=True)
+        if key in seen:
+            raise LabError(f"{name} lists {v!r} more than once; give each value once")
+        seen.add(key)

@@ -24,6 +24,14 @@ from lab.errors import LabError
 RUN_FILES = ("config.json", "results.parquet", "summary.json")
 
 
+def cache_dir() -> Path:
+    """The per-user cache folder, outside any repository: $LAB_CACHE_DIR, else $XDG_CACHE_HOME/offpolicy-lab, else
+    ~/.cache/offpolicy-lab (model checkpoints, the notebooks of failed reports)."""
+    if os.environ.get("LAB_CACHE_DIR"):
+        return Path(os.environ["LAB_CACHE_DIR"])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "offpolicy-lab"
+
+
 def package_versions() -> dict:
     out = {"python": platform.python_version()}
     for name in ("torch", "numpy", "scipy", "pandas", "pyarrow", "matplotlib", "papermill", "offpolicy-variance-lab"):
@@ -61,11 +69,32 @@ def write_json(path: Path, obj) -> None:
     path.write_text(json.dumps(_jsonable(obj), indent=2, sort_keys=False) + "\n")
 
 
-def check_out_dir(out: Path) -> None:
-    """Refuse an output path that exists and is not a run folder (checked before any work starts)."""
+def check_out_dir(out: Path, marker: str = "config.json") -> None:
+    """Refuse, before any work starts, an output path that exists and is not a run folder (one holding ``marker``),
+    or one that cannot be written (a parent that is a file, a read-only place, a name too long)."""
     out = Path(out)
-    if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not (out / "config.json").exists())):
+    check_writable(out)
+    if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not (out / marker).exists())):
         raise LabError(f"output path {out} exists and is not a run folder; choose another --out")
+
+
+def check_writable(out: Path) -> None:
+    """Create and remove a hidden sibling of ``out`` (and the parents this makes): LabError if that fails."""
+    out = Path(out).absolute()
+    made = [p for p in (out.parent, *out.parent.parents) if not p.exists()]
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        probe = Path(tempfile.mkdtemp(prefix=f".{out.name[:200]}.", dir=out.parent))
+        probe.rmdir()
+        os.stat(out.parent)
+        if len(out.name.encode()) > os.pathconf(out.parent, "PC_NAME_MAX"):
+            raise OSError(36, "file name too long")
+    except OSError as e:
+        raise LabError(f"cannot write to {out} ({e.strerror or e}); choose another --out") from None
+    finally:
+        for p in made:
+            if p.is_dir() and not any(p.iterdir()):
+                p.rmdir()
 
 
 @contextmanager

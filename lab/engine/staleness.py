@@ -22,6 +22,7 @@ from lab.errors import LabError
 from lab.policies import Perturbed, Tempered
 
 KINDS = ("lag", "kl", "temperature")
+TEMPERATURES = (1e-2, 1e2)  # sampler temperatures outside this range make float logits overflow or vanish
 
 
 @dataclass
@@ -64,8 +65,9 @@ def check_value(kind: str, value: float, max_lag: int) -> None:
             raise LabError(f"lag {int(value)} exceeds the trajectory length {max_lag}; raise --trajectory-steps")
     elif kind == "kl" and value < 0:
         raise LabError(f"KL target must be non-negative, got {value}")
-    elif kind == "temperature" and value <= 0:
-        raise LabError(f"temperature must be positive, got {value}")
+    elif kind == "temperature" and not TEMPERATURES[0] <= value <= TEMPERATURES[1]:
+        raise LabError(f"temperature must lie in [{TEMPERATURES[0]:g}, {TEMPERATURES[1]:g}] (positive, and finite "
+                       f"logits once divided by it), got {value:g}")
 
 
 def kl_target(problem: Problem, theta_pi, target: float, generator: torch.Generator) -> tuple:

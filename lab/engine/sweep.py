@@ -38,8 +38,11 @@ import itertools
 import json
 import multiprocessing
 import os
+import re
 import shutil
 import socket
+import threading
+import time
 from contextlib import closing
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from dataclasses import asdict, dataclass, fields
@@ -52,7 +55,7 @@ import yaml
 from lab.errors import LabError
 from lab.engine.training import TrainConfig, train
 from lab.progress import bar
-from lab.runs import atomic_dir, git_revision, package_versions, write_json
+from lab.runs import atomic_dir, check_writable, git_revision, package_versions, write_json
 
 EXECUTORS = ("local", "ray")
 FIELDS = {f.name for f in fields(TrainConfig)}
@@ -88,9 +91,13 @@ def load_spec(path) -> SweepSpec:
     return spec
 
 
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+
+
 def _check_spec(spec: SweepSpec) -> None:
-    if not isinstance(spec.name, str) or not spec.name.strip():
-        raise LabError("a sweep needs a non-empty name")
+    if not isinstance(spec.name, str) or not _NAME.match(spec.name):
+        raise LabError(f"a sweep's name must be a plain folder name (letters, digits, '.', '_', '-'), got "
+                       f"{spec.name!r}")
     for part in ("base", "grid"):
         value = getattr(spec, part)
         if not isinstance(value, dict):
@@ -99,6 +106,8 @@ def _check_spec(spec: SweepSpec) -> None:
         if bad:
             raise LabError(f"sweep {part} key(s) {', '.join(bad)} are not TrainConfig fields; "
                            f"see lab.engine.training.TrainConfig for the fields")
+    if not spec.grid:
+        raise LabError("a sweep needs a grid with at least one key (e.g. grid: {seed: [0, 1]})")
     for key, values in spec.grid.items():
         if not isinstance(values, list) or not values:
             raise LabError(f"grid key {key!r} must map to a non-empty list of values, got {values!r}")
@@ -157,6 +166,19 @@ def cell_id(config: dict) -> str:
 
 
 # ------------------------------------------------------------------------------------------------ running
+def _die_with(driver: int) -> None:
+    """Worker initializer: exit as soon as the driver process is gone (a killed driver leaves no workers)."""
+    def watch():
+        while True:
+            time.sleep(1.0)
+            try:
+                os.kill(driver, 0)
+            except OSError:
+                os._exit(1)
+
+    threading.Thread(target=watch, daemon=True).start()
+
+
 def _train_cell(config: dict) -> dict:
     """Run one cell (in a worker); errors come back as a one-line message, not an exception."""
     torch.set_num_threads(1)  # one thread per worker: no oversubscription, and the same numbers everywhere
@@ -179,11 +201,21 @@ def _done(cells: Path, cid: str) -> bool:
     return (cells / cid / "summary.json").is_file()
 
 
-def _prepare(out: Path, spec: SweepSpec, meta: dict) -> tuple[Path, int]:
-    """Check ``out``, take its lock, drop leftovers of a killed sweep, record the spec. Returns (cells, lock fd)."""
+def _check_folder(out: Path, spec: SweepSpec, ids: list[str]) -> None:
+    """Refuse a folder that is not a sweep folder, or holds finished cells this spec would hide from its results."""
     is_sweep = (out / "sweep.json").is_file() or (out / "cells").is_dir()  # cells/: a sweep killed at its start
     if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not is_sweep)):
         raise LabError(f"output path {out} exists and is not a sweep folder; choose another --out")
+    finished = {p.name for p in (out / "cells").glob("[!.]*") if (p / "summary.json").is_file()} \
+        if (out / "cells").is_dir() else set()
+    hidden = finished - set(ids)
+    if hidden:
+        raise LabError(f"{len(hidden)} finished cell(s) in {out} are not in this spec and would be hidden; extend the "
+                       f"spec to include them (a grown spec reruns only the new cells) or choose another --out")
+
+
+def _prepare(out: Path, spec: SweepSpec, meta: dict) -> tuple[Path, int]:
+    """Take the folder's lock, drop leftovers of a killed sweep, record the spec. Returns (cells, lock fd)."""
     cells = out / "cells"
     cells.mkdir(parents=True, exist_ok=True)
     lock = os.open(out / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
@@ -204,7 +236,7 @@ def _run_local(configs: list[dict], workers: int):
     """Yield (index, output) as cells finish, on a forkserver process pool."""
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload(["lab.engine.sweep"])  # workers fork from a server that already imported torch
-    pool = ProcessPoolExecutor(max_workers=workers, mp_context=ctx)
+    pool = ProcessPoolExecutor(max_workers=workers, mp_context=ctx, initializer=_die_with, initargs=(os.getpid(),))
     try:
         futures = {pool.submit(_train_cell, c): i for i, c in enumerate(configs)}
         pending = set(futures)
@@ -275,33 +307,37 @@ def run_sweep(spec: SweepSpec, out_dir, executor: str = "local", workers: int | 
                        f"it prints")
     configs = expand(spec)
     out = Path(out_dir)
+    ids = [cell_id(c) for c in configs]
+    check_writable(out)
+    _check_folder(out, spec, ids)
+    created = not out.exists()
     meta = {"versions": package_versions(), "git_revision": git_revision()}
     cells, lock = _prepare(out, spec, meta)
+    todo = [i for i, cid in enumerate(ids) if not _done(cells, cid)]
+    skipped = len(configs) - len(todo)
+    failed, done = [], 0
     try:
-        ids = [cell_id(c) for c in configs]
-        todo = [i for i, cid in enumerate(ids) if not _done(cells, cid)]
-        skipped = len(configs) - len(todo)
-        cells_bar = bar(len(configs), f"sweep {spec.name}", progress, initial=skipped, unit="cell")
-        failed, done = [], 0
-        if todo:
-            pending = [configs[i] for i in todo]
-            n = min(workers or os.cpu_count() or 1, len(todo))
-            if executor == "local":
-                stream = _run_local(pending, n)
-            else:  # on a cluster without --workers, Ray's own scheduling decides how many run at once
-                stream = _run_ray(pending, None if address and not workers else n, address)
-            with closing(stream):  # shuts the pool or Ray down now, even if writing a cell fails
-                for j, output in stream:
-                    i = todo[j]
-                    if "error" in output:
-                        failed.append((i, output["error"]))
-                    else:
-                        _write_cell(cells, ids[i], configs[i], output, meta)
-                        done += 1
-                    cells_bar.update(1)
-        cells_bar.close()
+        with bar(len(configs), f"sweep {spec.name}", progress, initial=skipped, unit="cell") as cells_bar:
+            if todo:
+                pending = [configs[i] for i in todo]
+                n = min(workers or os.cpu_count() or 1, len(todo))
+                if executor == "local":
+                    stream = _run_local(pending, n)
+                else:  # on a cluster without --workers, Ray's own scheduling decides how many run at once
+                    stream = _run_ray(pending, None if address and not workers else n, address)
+                with closing(stream):  # shuts the pool or Ray down now, even if writing a cell fails
+                    for j, output in stream:
+                        i = todo[j]
+                        if "error" in output:
+                            failed.append((i, output["error"]))
+                        else:
+                            _write_cell(cells, ids[i], configs[i], output, meta)
+                            done += 1
+                        cells_bar.update(1)
     finally:
         os.close(lock)
+        if created and not any(cells.iterdir()):  # nothing finished: leave nothing behind
+            shutil.rmtree(out, ignore_errors=True)
     if failed:
         i, err = failed[0]
         raise LabError(f"{len(failed)} of {len(todo)} sweep cells failed (first: cell {i}, "

@@ -66,6 +66,7 @@ import torch
 import toy_envs
 from lab import advantages as adv_mod
 from lab import diagnostics
+from lab.configs import check_types
 from lab.engine.estimator import Estimator
 from lab.engine.exact import Problem, Support, objective
 from lab.errors import LabError
@@ -157,8 +158,13 @@ class TrainConfig:
 
     def validate(self) -> None:
         """Check every field; raises LabError with one sentence for bad input."""
+        check_types(self)
         problem = self.problem()
-        problem.env.check_enumerable()
+        env = problem.env
+        if env.num_pairs > toy_envs.DEFAULT_ENUM_LIMIT:
+            raise LabError(f"env {env.name!r} has {env.num_pairs:,} (prompt, response) pairs; training computes exact "
+                           f"metrics by enumeration after every update (at most {toy_envs.DEFAULT_ENUM_LIMIT:,} pairs): "
+                           f"choose a smaller env (see `lab envs`)")
         if self.regime not in REGIMES:
             raise LabError(f"unknown regime {self.regime!r}; choose one of {', '.join(REGIMES)}")
         self._validate_sizes(self._validate_estimator())

@@ -9,17 +9,18 @@ import pandas as pd
 
 from lab import estimators
 
-# 24 distinguishable colours (tab10, then the darker / lighter halves of tab20b and tab20c)
+# 30 distinguishable colours (tab10, then shades from tab20b and tab20c)
 _PALETTE = ["#7f7f7f", "#d62728", "#9467bd", "#ff7f0e", "#8c564b", "#e377c2", "#17becf", "#bcbd22",
             "#2ca02c", "#1f77b4", "#393b79", "#637939", "#8c6d31", "#843c39", "#7b4173", "#3182bd",
-            "#e6550d", "#31a354", "#756bb1", "#636363", "#6baed6", "#fd8d3c", "#74c476", "#9e9ac8"]
+            "#e6550d", "#31a354", "#756bb1", "#636363", "#6baed6", "#fd8d3c", "#74c476", "#9e9ac8",
+            "#ad494a", "#a55194", "#b5cf6b", "#e7ba52", "#ce6dbd", "#6b6ecf"]
 _PINNED = {"reinforce": "#7f7f7f", "seq_is": "#d62728", "token_is": "#9467bd", "ppo_clip": "#ff7f0e",
-           "vespo": "#1f77b4", "gvpo": "#2ca02c", "opd": "#7f7f7f", "vopd": "#1f77b4", "kl_full": "#2ca02c"}
-_VARIANTS = {"opd_rtg": "#bcbd22", "vopd_top": "#6baed6", "kl_top": "#74c476"}
+           "vespo": "#1f77b4", "gvpo": "#2ca02c", "opd": "#636363", "vopd": "#3182bd", "kl_full": "#31a354"}
+_VARIANTS = {"opd_rtg": "#9e9ac8", "vopd_top": "#6baed6", "kl_top": "#74c476"}
 
 
 def _registry_colors() -> dict[str, str]:
-    free = [c for c in _PALETTE if c not in set(_PINNED.values())]
+    free = [c for c in _PALETTE if c not in set(_PINNED.values()) | set(_VARIANTS.values())]
     out, i = {}, 0
     for name in estimators.names():
         if name in _PINNED:

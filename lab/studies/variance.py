@@ -17,6 +17,7 @@ import torch
 import toy_envs
 from lab import advantages as adv_mod
 from lab import estimators
+from lab.configs import check_types, check_unique
 from lab.engine.estimator import Estimator
 from lab.engine.exact import REFERENCES, Problem, divergence, policy_gradient
 from lab.engine.staleness import KINDS, behaviour, check_value, optimisation_trajectory
@@ -28,6 +29,7 @@ from lab.seeding import derive_seed, generator
 from lab.studies import StudyResult
 
 DEFAULT_ESTIMATORS = ("reinforce", "seq_is", "token_is", "ppo_clip")
+BATCH_MEMORY_BUDGET = 4 * 2**30  # bytes for the replicate batches and the bootstrap counts
 
 
 @dataclass
@@ -93,11 +95,17 @@ class Config:
         return [Estimator.resolve(n, self.hyper.get(n, {}), self.loss_agg_mode) for n in self.estimators]
 
     def validate(self) -> None:
+        check_types(self)
         problem = self.problem()
         if self.staleness not in KINDS:
             raise LabError(f"unknown staleness kind {self.staleness!r}; choose one of {', '.join(KINDS)}")
         if not self.values:
             raise LabError("give at least one staleness value")
+        if self.trajectory_steps < 0:
+            raise LabError(f"trajectory steps must be a non-negative whole number, got {self.trajectory_steps}")
+        check_unique("values", [float(v) for v in self.values])
+        if self.chunk < 0:
+            raise LabError(f"chunk must be a non-negative number of replicates (0: all), got {self.chunk}")
         for v in self.values:
             check_value(self.staleness, float(v), self.trajectory_steps)
         self._validate_estimators()
@@ -117,18 +125,33 @@ class Config:
             raise LabError("trajectory steps must be >= 0 and the learning rate a positive number")
         if not 0 < self.ci < 1 or self.n_boot < 10:
             raise LabError("ci must lie in (0, 1) and n_boot be at least 10")
-        D = int(np.prod(problem.policy.shape))
-        if problem.policy.gradient_backend == "rows" and self.replicates * D * 4 > GRADIENT_MEMORY_BUDGET:
+        check_device(self.device)
+        self._validate_memory(problem)
+
+    def _validate_memory(self, problem: Problem) -> None:
+        """Refuse, before any work, a study whose batches, bootstrap or gradient table would not fit in memory."""
+        env, policy = problem.env, problem.policy
+        batch = self.replicates * self.batch_size * env.length * (8 + 3 * 4)  # tokens, mask, log-probs, advantages
+        if policy.gradient_backend == "rows":
+            batch += self.replicates * self.batch_size * env.length * env.vocab_size * 4 * 2  # gathered logits, grads
+        if batch > BATCH_MEMORY_BUDGET:
+            raise LabError(f"{self.replicates} replicates x {self.batch_size} responses need about "
+                           f"{batch / 2**30:.1f} GiB (budget {BATCH_MEMORY_BUDGET / 2**30:.0f} GiB); use fewer "
+                           f"replicates or a smaller batch")
+        if self.n_boot * self.replicates * 8 * 2 > BATCH_MEMORY_BUDGET:
+            raise LabError(f"n_boot {self.n_boot} x {self.replicates} replicates needs "
+                           f"{self.n_boot * self.replicates * 16 / 2**30:.1f} GiB of bootstrap counts; use fewer "
+                           f"resamples (1000 is plenty for 95% intervals)")
+        D = int(np.prod(policy.shape))
+        if policy.gradient_backend == "rows" and self.replicates * D * 4 > GRADIENT_MEMORY_BUDGET:
             raise LabError(f"{self.replicates} replicates x {D:,} parameters need {self.replicates * D * 4 / 2**30:.1f} "
                            f"GiB of gradient estimates (budget {GRADIENT_MEMORY_BUDGET / 2**30:.0f} GiB); use fewer "
                            f"replicates or the markov policy")
-        if self.chunk < 0:
-            raise LabError(f"chunk must be a non-negative number of replicates (0: all), got {self.chunk}")
-        check_device(self.device)
 
     def _validate_estimators(self) -> None:
         if not self.estimators:
             raise LabError("give at least one estimator")
+        check_unique("estimators", self.estimators)
         for name in self.estimators:
             info = estimators.info(name)
             if info.family == "distillation":
@@ -169,6 +192,10 @@ def run(cfg: Config, progress: bool | None = None) -> StudyResult:
     theta_pi = traj.current
     support_pi = problem.support(theta_pi, generator(cfg.seed, 1))
     grad_j = policy_gradient(env, problem.policy, theta_pi, support_pi).reshape(-1)
+    if not (torch.isfinite(grad_j).all() and grad_j.norm() > 0):
+        raise LabError(f"the target gradient of pi is {'zero' if torch.isfinite(grad_j).all() else 'not finite'} "
+                       f"(pi is deterministic or degenerate after the trajectory), so errors relative to it are "
+                       f"undefined; lower --init-scale or --lr")
     sampling = Sampling(cfg.replicates, cfg.batch_size, cfg.group_size, cfg.advantage, cfg.ci, cfg.n_boot,
                         chunk=cfg.chunk or None)
     key = dict(env=env.name, policy=cfg.policy, staleness_kind=cfg.staleness, seed=cfg.seed, reference=cfg.reference)
