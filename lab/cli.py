@@ -6,7 +6,9 @@ status 2 and one line on stderr: ``error: what was wrong; what to do``.
 from __future__ import annotations
 
 import argparse
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 from lab.errors import LabError
@@ -68,9 +70,13 @@ def cmd_train(args) -> int:
     cfg = from_args(TrainConfig, args, hyper=nested.get(name, {}))
     out = Path(args.out or f"runs/train/{cfg.env}-{cfg.estimator}-N{cfg.minibatches}-{cfg.regime}-seed{cfg.seed}")
     check_out_dir(out)
-    result = train(cfg)
-    write_run(out, {"command": "train", **to_dict(cfg)}, result.table, result.summary)
-    print(f"wrote {out} ({len(result.table)} updates); {result.summary.get('headline', '')}")
+    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+        log = Path(tmp) / "rollout_log" if args.rollout_log else None
+        result = train(cfg, rollout_log=log)
+        extra = {"rollout_log": lambda dest: shutil.move(log, dest)} if log else None
+        write_run(out, {"command": "train", **to_dict(cfg)}, result.table, result.summary, extra)
+    print(f"wrote {out} ({len(result.table)} updates{', with its rollout log' if log else ''}); "
+          f"{result.summary.get('headline', '')}")
     return 0
 
 
@@ -133,6 +139,8 @@ def build_parser() -> argparse.ArgumentParser:
     t = sub.add_parser("train", help="one training run under staleness (sync mini-batching, async lag, mismatch)")
     add_flags(t, TrainConfig)
     t.add_argument("--out", default=None, help="run folder (default runs/train/ENV-EST-N-REGIME-seedS)")
+    t.add_argument("--rollout-log", action="store_true",
+                   help="also write every mini-batch as a neutral rollout log in OUT/rollout_log (see `lab diagnose`)")
     t.set_defaults(func=cmd_train)
 
     w = sub.add_parser("sweep", help="many training runs from a YAML grid; resumable; local pool or Ray")
@@ -152,6 +160,10 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--all", action="store_true", help="build every report with its defaults and the gallery")
     r.add_argument("--out", default="reports", help="reports folder")
     r.set_defaults(func=cmd_report)
+
+    from lab.diagnose.cli import add_parser as add_diagnose
+
+    add_diagnose(sub)
     return p
 
 

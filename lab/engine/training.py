@@ -347,7 +347,7 @@ class Rollout:
 class _Run:
     """The state of one training run: parameters, optimiser, the versions samplers may use, and the tables."""
 
-    def __init__(self, cfg: TrainConfig, progress: bool | None):
+    def __init__(self, cfg: TrainConfig, progress: bool | None, log=None):
         self.cfg = cfg
         self.problem = cfg.problem()
         self.env, self.policy = self.problem.env, self.problem.policy
@@ -369,6 +369,7 @@ class _Run:
         self.rows, self.rollouts = [], []
         self.version, self.finite = 0, True
         self.bar = bar(cfg.steps * cfg.minibatches * cfg.epochs, f"train {cfg.estimator}", progress)
+        self.log = log  # a lab.diagnose RolloutLogWriter, or None
 
     # ---- which version generates each group
     def generating_lags(self) -> tuple[torch.Tensor, dict]:
@@ -446,6 +447,11 @@ class _Run:
         self.opt.step()
         lag = (self.version - ro.gen_version[sl]).double()
         self.version += 1
+        if self.log is not None:  # the mini-batch as the neutral rollout log holds it (lab.diagnose)
+            B, G, mb = self.cfg.rollout_batch, self.cfg.group_size, sl.stop - sl.start
+            self.log.add(self.version, torch.arange(sl.start, sl.stop) + r * B, ro.tokens[sl], ro.mask[sl],
+                         ro.lp_mu[sl], ro.lp_old[sl], lp_pi, ro.gen_version[sl], ro.advantages[sl], ro.rewards[sl],
+                         (torch.arange(B) // G)[sl] + r * (B // G), trainer_version=self.version - 1)
         self.finite = (math.isfinite(float(loss.detach())) and math.isfinite(grad_norm)
                        and bool(torch.isfinite(theta).all()))
         ex = exact_metrics(self.env, self.policy, theta, self.lp0_enum) if self.finite \
@@ -522,10 +528,22 @@ def summarise(cfg: TrainConfig, run: _Run, table: pd.DataFrame, stopped_early: b
     return summary
 
 
-def train(cfg: TrainConfig, progress: bool | None = None) -> TrainResult:
-    """Run one training simulation; deterministic given ``cfg.seed``."""
+def train(cfg: TrainConfig, progress: bool | None = None, rollout_log=None) -> TrainResult:
+    """Run one training simulation; deterministic given ``cfg.seed``. With ``rollout_log`` (a folder path) every
+    mini-batch is also written as a neutral rollout log (``lab.diagnose``): tokens, the sampler's, pi_old's and pi's
+    log-probs, versions, advantages, rewards, groups; ``lab diagnose --from lab`` recomputes the table's weight
+    diagnostics from it."""
     cfg.validate()
-    run = _Run(cfg, progress)
+    if rollout_log is None:
+        return _train(cfg, progress, None)
+    from lab.diagnose.neutral import RolloutLogWriter
+
+    with RolloutLogWriter(rollout_log, run=f"{cfg.env}-{cfg.estimator}-seed{cfg.seed}") as log:
+        return _train(cfg, progress, log)
+
+
+def _train(cfg: TrainConfig, progress, log) -> TrainResult:
+    run = _Run(cfg, progress, log)
     for r in range(cfg.steps):
         ro = run.rollout(r)
         run.rollouts.append(ro.record)

@@ -1,0 +1,160 @@
+"""``lab diagnose --from lab|prime-rl|slime|skyrl PATH``: the rollout diagnostics of a training run's own logs.
+
+Prints the verdict and the headline numbers; ``--out DIR`` also writes a run folder (config.json,
+results.parquet, summary.json and one parquet file per table). Framework dumps are converted to the neutral
+format first (``--save-log DIR`` keeps the converted log). Bad input raises LabError: the main command prints it
+as one line and exits 2; nothing is written unless every step succeeded.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+from lab.errors import LabError
+
+TABLES = ("per_step", "overall", "by_probability", "by_length", "growth", "staleness", "corrections", "histograms")
+
+
+def add_parser(subparsers):
+    p = subparsers.add_parser(
+        "diagnose", help="importance-weight diagnostics of a training run's rollout logs",
+        description="Importance-weight diagnostics of a training run's own rollout logs: sampler/trainer and "
+                    "policy-version log-ratios, their dependence on token probability and length, ESS, chi2 and "
+                    "PSIS k-hat per step, staleness, and what each correction (TIS, IcePop, PPO clip, GSPO, CISPO, "
+                    "SAPO, VESPO) would clip or mask. See docs/rollout-logs.md.")
+    p.add_argument("path", type=Path, help="the log: a neutral log folder, or the framework's dump (see --from)")
+    p.add_argument("--from", dest="fmt", default="lab", metavar="FORMAT",
+                   help="lab (a neutral log folder, default), prime-rl (token_exports), slime (--dump-details "
+                        "folder), skyrl (dumped_data)")
+    p.add_argument("--out", type=Path, default=None, help="write the run folder with every table here")
+    p.add_argument("--save-log", type=Path, default=None, help="keep the converted neutral log here (framework dumps)")
+    p.add_argument("--nan", default="error", metavar="error|drop",
+                   help="missing or NaN log-probs on loss-masked tokens: stop (default) or exclude them, counted")
+    p.add_argument("--pair", default="natural", metavar="natural|total|mismatch|update",
+                   help="which log-ratio the corrections see (default: each its natural one)")
+    p.add_argument("-H", "--hyper", action="append", metavar="NAME.KEY=VALUE",
+                   help="a correction's hyper-parameter, e.g. -H tis_token.cap=3 (repeatable)")
+    p.add_argument("--trust-pickle", action="store_true",
+                   help="load slime/SkyRL pickles without restrictions (runs code from the file: trusted files only)")
+    p.add_argument("--temperature", type=float, default=None, help="the sampler's temperature, if the log lacks it")
+    p.add_argument("--top-p", type=float, default=None, help="the sampler's top-p, if the log lacks it")
+    p.add_argument("--top-k", type=int, default=None, help="the sampler's top-k, if the log lacks it")
+    p.add_argument("--chunk-rows", type=int, default=1 << 18, help="token rows per streamed chunk")
+    p.add_argument("--seed", type=int, default=0, help="seed of the bootstrap intervals")
+    p.set_defaults(func=run)
+    return p
+
+
+def parse_hyper(items) -> dict:
+    out: dict = {}
+    for item in items or []:
+        if "=" not in item or "." not in item.split("=", 1)[0]:
+            raise LabError(f"-H must look like NAME.KEY=VALUE (e.g. tis_token.cap=3), got {item!r}")
+        lhs, value = item.split("=", 1)
+        name, key = lhs.split(".", 1)
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError:
+            pass
+        out.setdefault(name.strip(), {})[key.strip()] = value
+    return out
+
+
+def _sampling(args) -> dict:
+    return {k: v for k, v in (("temperature", args.temperature), ("top_p", args.top_p), ("top_k", args.top_k))
+            if v is not None}
+
+
+def plain(obj):
+    """JSON-ready copy: numpy scalars to Python numbers."""
+    import numpy as np
+
+    if isinstance(obj, dict):
+        return {str(k): plain(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [plain(v) for v in obj]
+    if isinstance(obj, np.generic):
+        return obj.item()
+    return obj
+
+
+def headline_text(diag) -> str:
+    """The verdict and the overall numbers as plain text (what the command prints)."""
+    lines = [f"- {line}" for line in diag.verdict]
+    o = diag.tables["overall"]
+    lines.append("")
+    lines.append(f"{'pair':<10}{'tokens':>12}{'mean|Δ|':>10}{'p99|Δ|':>10}{'ESS':>8}{'k-hat>0.7':>11}{'W median':>10}")
+    for _, r in o.iterrows():
+        lines.append(f"{r['pair']:<10}{int(r['n_tok']):>12,}{r['mean_abs']:>10.3g}{r['abs_p99']:>10.3g}"
+                     f"{r['ess_median']:>8.2f}{int(r['khat_warning_steps']):>5}/{int(r['khat_steps']):<5}"
+                     f"{r['w_median']:>10.3g}")
+    return "\n".join(lines)
+
+
+def run(args) -> int:
+    from lab.diagnose.adapters import FORMATS, convert
+    from lab.diagnose.streaming import diagnose
+    from lab.diagnose.neutral import RolloutLog, check_log_target
+    from lab.diagnose.schema import check_meta
+    from lab.runs import check_out_dir, write_run
+
+    if args.fmt not in FORMATS:
+        raise LabError(f"unknown log format {args.fmt!r} for --from; known formats: {', '.join(FORMATS)}")
+    if args.out is not None:
+        check_out_dir(args.out)
+    if args.save_log is not None:
+        if args.fmt == "lab":
+            raise LabError("--save-log keeps a converted framework dump; a --from lab log is already neutral")
+        check_log_target(args.save_log)
+    hyper = parse_hyper(args.hyper)
+    sampling = _sampling(args)
+    stage = Path(tempfile.mkdtemp(prefix=".lab-diagnose.", dir=args.save_log.parent if args.save_log else None))
+    try:
+        if args.fmt == "lab":
+            log = RolloutLog(args.path)
+            if sampling:
+                log.meta["sampling"].update(sampling)
+                check_meta(log.meta, log.path / "meta.json")
+        else:
+            log = RolloutLog(convert(args.fmt, args.path, stage / "log", trust=args.trust_pickle, sampling=sampling))
+        diag = diagnose(log, nan=args.nan, pair=args.pair, hyper=hyper, chunk_rows=args.chunk_rows, seed=args.seed)
+        summary = plain(diag.summary)
+        print(headline_text(diag))
+        if args.out is not None:
+            config = {"command": "diagnose", "from": args.fmt, "path": str(args.path), "nan": args.nan,
+                      "pair": args.pair, "hyper": hyper, "sampling_overrides": sampling, "chunk_rows": args.chunk_rows,
+                      "seed": args.seed, "log_meta": plain(log.meta)}
+            extra = {f"{name}.parquet": (lambda p, df=diag.tables[name]: df.to_parquet(p, index=False))
+                     for name in TABLES if name in diag.tables}
+            write_run(args.out, config, diag.tables["results"], summary, extra=extra)
+            print(f"wrote {args.out}")
+        if args.save_log is not None:
+            from lab.runs import replace_dir
+
+            check_log_target(args.save_log)
+            replace_dir(stage / "log", args.save_log)
+            print(f"wrote {args.save_log}")
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
+    return 0
+
+
+class _OneLineParser(argparse.ArgumentParser):
+    def error(self, message):  # one line, not usage + message
+        raise LabError(f"{message} (see `{self.prog} --help`)")
+
+
+def main(argv=None) -> int:
+    """``python -m lab.diagnose ...``: the same command outside the ``lab`` entry point."""
+    parser = _OneLineParser(prog="lab")
+    add_parser(parser.add_subparsers(dest="command", required=True))
+    try:
+        args = parser.parse_args(["diagnose", *(sys.argv[1:] if argv is None else argv)])
+        return args.func(args)
+    except LabError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2

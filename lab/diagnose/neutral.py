@@ -1,0 +1,425 @@
+"""Write and read neutral rollout logs (format: lab.diagnose.schema, docs/rollout-logs.md).
+
+Writers stage everything in a hidden sibling folder and rename it into place on ``close()``: an error or an
+interrupted run leaves nothing half-written (``abort()`` or leaving the ``with`` block by an exception removes
+the staging folder). Tokens are buffered into parquet row groups of ``row_group_rows`` rows, so the reader can
+stream a log of any size in bounded memory.
+
+- ``NeutralLogWriter``: flat columns (dicts of 1-d arrays), used by the framework adapters.
+- ``RolloutLogWriter``: the trainer-side API, [B, T] / [B] torch tensors per mini-batch (the lab's training
+  simulator calls it; the README shows the same few lines for verl, TRL, AReaL and tinker).
+- ``RolloutLog``: validated reading: the sequences table in memory, the tokens table in chunks.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from lab.diagnose.schema import (KEY, LOGP_COLUMNS, META, SEQUENCE_COLUMNS, SEQUENCES, TOKEN_COLUMNS, TOKENS,
+                                 arrow_schema, check_meta, check_schema, make_meta, read_meta)
+from lab.errors import LabError
+from lab.runs import replace_dir
+
+ROW_GROUP_ROWS = 1 << 20
+
+
+def _is_log_folder(path: Path) -> bool:
+    return path.is_dir() and (path / META).exists()
+
+
+def check_log_target(path: Path) -> None:
+    """Refuse an output path that exists and is neither empty nor a rollout log (checked before any work)."""
+    path = Path(path)
+    if path.exists() and (not path.is_dir() or (any(path.iterdir()) and not _is_log_folder(path))):
+        raise LabError(f"{path} exists and is not a rollout log folder; choose another path")
+
+
+def _column(values, field: pa.Field, n: int) -> pa.Array:
+    """One arrow column from a numpy array, a list, a scalar or None (all null); NaN marks null in int columns."""
+    typ = field.type
+    if values is None:
+        if not field.nullable:
+            raise LabError(f"column {field.name!r} is required")
+        return pa.nulls(n, typ)
+    if isinstance(values, str) and pa.types.is_string(typ):  # one value for every row
+        return pa.DictionaryArray.from_arrays(pa.array(np.zeros(n, np.int32)), pa.array([values])).cast(typ)
+    if isinstance(values, (list, tuple)) and pa.types.is_string(typ):
+        return pa.array(values, type=typ)
+    arr = np.asarray(values)
+    if arr.ndim == 0:
+        arr = np.full(n, arr.item())
+    if arr.shape != (n,):
+        raise LabError(f"column {field.name!r} has shape {arr.shape}, expected ({n},)")
+    if pa.types.is_string(typ):
+        return pa.array(arr.astype(str), type=typ)
+    if pa.types.is_integer(typ) and arr.dtype.kind == "f":
+        missing = np.isnan(arr)
+        return pa.array(np.where(missing, 0, arr).astype(np.int64), type=typ, mask=missing if missing.any() else None)
+    if pa.types.is_floating(typ):
+        return pa.array(arr.astype(typ.to_pandas_dtype(), copy=False), type=typ)
+    return pa.array(arr.astype(typ.to_pandas_dtype(), copy=False), type=typ)
+
+
+class NeutralLogWriter:
+    """Stage a neutral log in a hidden sibling folder; ``close()`` renames it to ``path`` (replacing an older log).
+
+    ``write_tokens(cols)`` / ``write_sequences(cols)`` take dicts of equal-length 1-d arrays keyed by column name;
+    a missing nullable column is written as nulls.
+    """
+
+    def __init__(self, path, meta: dict, *, row_group_rows: int = ROW_GROUP_ROWS):
+        self.path = Path(path)
+        check_log_target(self.path)
+        self.meta = check_meta(dict(meta), Path(META))
+        self.row_group_rows = int(row_group_rows)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._tmp = Path(tempfile.mkdtemp(prefix=f".{self.path.name}.", dir=self.path.parent))
+        self._tok_schema = arrow_schema(TOKEN_COLUMNS, self.meta["logp_dtype"])
+        self._seq_schema = arrow_schema(SEQUENCE_COLUMNS)
+        self._tok_writer = pq.ParquetWriter(self._tmp / TOKENS, self._tok_schema)
+        self._seq_writer = pq.ParquetWriter(self._tmp / SEQUENCES, self._seq_schema)
+        self._buf = {"tok": [], "seq": []}
+        self._buffered = {"tok": 0, "seq": 0}
+        self.n_tokens = self.n_sequences = 0
+        self._closed = False
+
+    def _table(self, cols: dict, schema: pa.Schema) -> pa.Table:
+        unknown = set(cols) - set(schema.names)
+        if unknown:
+            raise LabError(f"unknown column(s) {', '.join(sorted(unknown))}; known: {', '.join(schema.names)}")
+        lengths = {len(v) for v in cols.values() if v is not None and not isinstance(v, str) and np.ndim(v) > 0}
+        if len(lengths) != 1:
+            raise LabError(f"columns have different lengths {sorted(lengths)}")
+        n = lengths.pop()
+        arrays = [_column(cols.get(f.name), f, n) for f in schema]
+        for f, a in zip(schema, arrays):
+            if not f.nullable and a.null_count:
+                row = int(np.flatnonzero(a.is_null().to_numpy(zero_copy_only=False))[0])
+                raise LabError(f"column {f.name!r} is required but is null at row {row} of this batch")
+        return pa.Table.from_arrays(arrays, schema=schema)
+
+    def _add(self, which: str, table: pa.Table) -> None:
+        self._buf[which].append(table)
+        self._buffered[which] += table.num_rows
+        if self._buffered[which] >= self.row_group_rows:
+            self._flush(which)
+
+    def _flush(self, which: str) -> None:
+        if not self._buf[which]:
+            return
+        writer = self._tok_writer if which == "tok" else self._seq_writer
+        writer.write_table(pa.concat_tables(self._buf[which]), row_group_size=max(self.row_group_rows, 1))
+        self._buf[which], self._buffered[which] = [], 0
+
+    def write_tokens(self, cols: dict) -> None:
+        table = self._table(cols, self._tok_schema)
+        for name in LOGP_COLUMNS:  # a log-prob column the metadata declares absent stays null
+            if self.meta["logp"][name] is None and table.column(name).null_count != table.num_rows:
+                table = table.set_column(table.schema.get_field_index(name), self._tok_schema.field(name),
+                                         pa.nulls(table.num_rows, self._tok_schema.field(name).type))
+        self.n_tokens += table.num_rows
+        self._add("tok", table)
+
+    def write_sequences(self, cols: dict) -> None:
+        table = self._table(cols, self._seq_schema)
+        self.n_sequences += table.num_rows
+        self._add("seq", table)
+
+    def close(self) -> Path:
+        if self._closed:
+            return self.path
+        try:
+            self._flush("tok")
+            self._flush("seq")
+            self._tok_writer.close()
+            self._seq_writer.close()
+            (self._tmp / META).write_text(json.dumps(self.meta, indent=2) + "\n")
+            self._tmp.chmod(0o755)
+            check_log_target(self.path)
+            replace_dir(self._tmp, self.path)
+        except BaseException:
+            self.abort()
+            raise
+        self._closed = True
+        return self.path
+
+    def abort(self) -> None:
+        """Drop everything written so far; the destination is left as it was."""
+        for w in (self._tok_writer, self._seq_writer):
+            try:
+                w.close()
+            except Exception:  # noqa: BLE001 - already failing; the folder is removed below
+                pass
+        shutil.rmtree(self._tmp, ignore_errors=True)
+        self._closed = True
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        if exc_type is None:
+            self.close()
+        else:
+            self.abort()
+        return False
+
+
+# ------------------------------------------------------------------------------------------------ tensor API
+LAB_LOGP = {
+    "sampler_logp": "mu: the lab sampler's log-probs of the sampled tokens (a stale snapshot, or a perturbed "
+                    "sampler in the mismatch regime)",
+    "old_logp": "pi_old: the trainer's proximal log-probs recomputed at the rollout's version (equal to mu's "
+                "outside the mismatch regime)",
+    "current_logp": "pi: the policy being updated, at the mini-batch's optimiser step",
+}
+
+
+def _np(x, name: str, shape=None, dtype=None):
+    if x is None:
+        return None
+    if hasattr(x, "detach"):
+        x = x.detach().cpu().numpy()
+    x = np.asarray(x) if dtype is None else np.asarray(x, dtype=dtype)
+    if shape is not None and x.shape not in shape:
+        raise LabError(f"{name} has shape {x.shape}, expected one of {sorted(set(shape))}")
+    return x
+
+
+class RolloutLogWriter:
+    """Write a training run's mini-batches as a neutral rollout log.
+
+        with RolloutLogWriter("runs/x/rollout_log", meta) as log:       # meta: schema.make_meta(...) or None
+            log.add(step, sample_ids, tokens, mask, sampler_logp, old_logp, current_logp, version,
+                    advantages, rewards, group_ids, entropy=None, trainer_version=None)
+
+    Shapes: ``tokens``, ``mask``, the log-probs, ``entropy`` [B, T]; ``sample_ids``, ``rewards``, ``group_ids`` [B];
+    ``advantages`` and ``version`` [B] or [B, T]; ``trainer_version`` an int or [B]. A log-prob argument is None
+    exactly when the metadata declares it absent. Each row keeps its positions up to its last loss-masked token
+    (trailing padding is dropped; gaps inside the response stay, with loss_mask 0). ``meta=None`` describes a lab
+    run (``LAB_LOGP``). ``batch_width`` is recorded when every batch has the same T, so that per-batch
+    diagnostics can be recomputed exactly as the trainer summed them (lab.diagnose.lab_metrics).
+    """
+
+    def __init__(self, path, meta: dict | None = None, *, run: str = "", row_group_rows: int = ROW_GROUP_ROWS):
+        self.path = Path(path)
+        check_log_target(self.path)
+        self.meta = dict(meta) if meta is not None else make_meta("lab", LAB_LOGP)
+        check_meta(self.meta, Path(META))
+        self.run = str(run)
+        self.row_group_rows = row_group_rows
+        self._writer: NeutralLogWriter | None = None
+        self._width: int | None | bool = False  # False: no batch yet; None: widths differ
+
+    def _open(self, dtype: np.dtype) -> NeutralLogWriter:
+        if self._writer is None:
+            self.meta["logp_dtype"] = "float32" if dtype == np.float32 else "float64"
+            self._writer = NeutralLogWriter(self.path, self.meta, row_group_rows=self.row_group_rows)
+        return self._writer
+
+    def add(self, step, sample_ids, tokens, mask, sampler_logp, old_logp, current_logp, version, advantages,
+            rewards, group_ids, entropy=None, trainer_version=None) -> None:
+        mask = _np(mask, "mask")
+        if mask is None or mask.ndim != 2:
+            raise LabError(f"mask must be a [B, T] tensor, got shape {None if mask is None else mask.shape}")
+        B, T = mask.shape
+        bt, b_ = {(B, T)}, {(B,)}
+        tokens = _np(tokens, "tokens", bt)
+        sample_ids = _np(sample_ids, "sample_ids", b_)
+        logp = {"sampler_logp": _np(sampler_logp, "sampler_logp", bt), "old_logp": _np(old_logp, "old_logp", bt),
+                "current_logp": _np(current_logp, "current_logp", bt)}
+        for name, arr in logp.items():
+            if (arr is None) != (self.meta["logp"][name] is None):
+                raise LabError(f"{name} is {'missing' if arr is None else 'given'} but the log's metadata declares it "
+                               f"{'present' if arr is None else 'absent'}")
+        version = _np(version, "version", bt | b_)
+        advantages = _np(advantages, "advantages", bt | b_)
+        rewards = _np(rewards, "rewards", b_)
+        group_ids = _np(group_ids, "group_ids", b_)
+        entropy = _np(entropy, "entropy", bt)
+        if trainer_version is not None and np.ndim(_np(trainer_version, "trainer_version")) == 0:
+            trainer_version = np.full(B, int(np.asarray(_np(trainer_version, "trainer_version"))))
+        trainer_version = _np(trainer_version, "trainer_version", b_)
+        if sample_ids is None or len(np.unique(sample_ids)) != B:
+            raise LabError("sample_ids must be B distinct ids")
+        present = [a for a in logp.values() if a is not None]
+        dtype = np.result_type(*[a.dtype for a in present])
+        writer = self._open(dtype)
+        want = np.float32 if self.meta["logp_dtype"] == "float32" else np.float64
+
+        m = mask > 0
+        pos = np.arange(T)
+        length = np.where(m, pos[None, :], -1).max(axis=1) + 1  # through the last loss-masked token
+        keep = pos[None, :] < length[:, None]
+        rows = np.repeat(np.arange(B), length)
+        n = int(length.sum())
+
+        def tok(a):
+            if a is None:
+                return None
+            return a[keep] if a.ndim == 2 else a[rows]
+
+        cols = {"run": self.run, "step": np.full(n, int(step)),
+                "sample_id": sample_ids[rows], "position": np.broadcast_to(pos, (B, T))[keep], "token_id": tok(tokens),
+                "loss_mask": m[keep], "version": tok(version), "advantage": tok(advantages), "entropy": tok(entropy)}
+        for name, arr in logp.items():
+            cols[name] = None if arr is None else arr.astype(want, copy=False)[keep]
+        writer.write_tokens(cols)
+
+        def first_masked(a):  # [B, T] -> value at each row's first loss-masked token (NaN if none)
+            first = np.argmax(m, axis=1)
+            out = a[np.arange(B), first].astype(np.float64)
+            return np.where(m.any(axis=1), out, np.nan)
+
+        if version is None:
+            vmin = vmax = None
+        elif version.ndim == 1:
+            vmin = vmax = version.astype(np.float64)
+        else:
+            vv, any_m = version.astype(np.float64), m.any(axis=1)
+            vmin = np.where(any_m, np.where(m, vv, np.inf).min(axis=1), np.nan)
+            vmax = np.where(any_m, np.where(m, vv, -np.inf).max(axis=1), np.nan)
+        seq_adv = None if advantages is None else (advantages.astype(np.float64) if advantages.ndim == 1
+                                                   else first_masked(advantages))
+        writer.write_sequences({"run": self.run, "step": np.full(B, int(step)),
+                                "sample_id": sample_ids, "group_id": group_ids, "reward": rewards,
+                                "advantage": seq_adv, "response_length": length, "version_min": vmin,
+                                "version_max": vmax, "trainer_version": trainer_version, "origin": None})
+        self._width = T if self._width is False or self._width == T else None
+
+    def close(self) -> Path:
+        if self._writer is None:  # nothing added: an empty log is still a valid log
+            self._open(np.dtype(np.float32))
+        if self._width not in (False, None):
+            self._writer.meta["batch_width"] = int(self._width)
+        return self._writer.close()
+
+    def abort(self) -> None:
+        if self._writer is not None:
+            self._writer.abort()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        if exc_type is None:
+            self.close()
+        else:
+            self.abort()
+        return False
+
+
+# ------------------------------------------------------------------------------------------------ reading
+class RolloutLog:
+    """A validated neutral rollout log: ``meta``, ``sequences()`` (pandas), ``iter_tokens()`` (numpy chunks)."""
+
+    def __init__(self, path):
+        self.path = Path(path)
+        if not self.path.exists():
+            raise LabError(f"{self.path}: no such file or folder")
+        if not self.path.is_dir():
+            raise LabError(f"{self.path}: a neutral rollout log is a folder with {TOKENS}, {SEQUENCES} and {META}")
+        self.meta = read_meta(self.path)
+        self.tokens_file, self.sequences_file = self.path / TOKENS, self.path / SEQUENCES
+        for f in (self.tokens_file, self.sequences_file):
+            if not f.exists():
+                raise LabError(f"{f}: no such file; a neutral rollout log needs {TOKENS}, {SEQUENCES} and {META}")
+        self._tok = self._open(self.tokens_file)
+        check_schema(self._tok.schema_arrow, TOKEN_COLUMNS, self.tokens_file)
+        check_schema(self._open(self.sequences_file).schema_arrow, SEQUENCE_COLUMNS, self.sequences_file)
+        self.n_token_rows = self._tok.metadata.num_rows
+        self.logp_columns = [c for c in LOGP_COLUMNS if self.meta["logp"][c] is not None]
+        self._seq = None
+
+    @staticmethod
+    def _open(file: Path) -> pq.ParquetFile:
+        try:
+            return pq.ParquetFile(file, read_dictionary=["run"])
+        except (pa.ArrowInvalid, OSError) as e:
+            raise LabError(f"{file}: not a readable parquet file ({str(e).splitlines()[0]})") from None
+
+    def sequences(self) -> pd.DataFrame:
+        """The sequences table, validated: required values present, keys unique, lengths >= 0."""
+        if self._seq is not None:
+            return self._seq
+        f = self.sequences_file
+        table = self._open(f).read()
+        for name, (_, required) in SEQUENCE_COLUMNS.items():
+            col = table.column(name)
+            if required and col.null_count:
+                row = int(np.flatnonzero(col.is_null().to_numpy(zero_copy_only=False))[0])
+                raise LabError(f"{f}: row {row}: column {name!r} is null; it is required")
+        df = table.to_pandas()
+        df["run"] = df["run"].astype(str)
+        if (df["response_length"] < 0).any():
+            row = int(np.flatnonzero(df["response_length"].to_numpy() < 0)[0])
+            raise LabError(f"{f}: row {row}: response_length is negative")
+        dup = df.duplicated(list(KEY))
+        if dup.any():
+            row = int(np.flatnonzero(dup.to_numpy())[0])
+            r = df.iloc[row]
+            raise LabError(f"{f}: row {row}: sequence (run {r['run']!r}, step {r['step']}, sample_id {r['sample_id']}) "
+                           f"appears twice; (run, step, sample_id) must be unique")
+        self._seq = df
+        return df
+
+    def _batches(self, columns, chunk_rows: int):
+        """Record batches of at most ``chunk_rows`` rows, one parquet row group in memory at a time (pyarrow's
+        iter_batches keeps allocations alive until the file is closed, so its memory would grow with the log)."""
+        for g in range(self._tok.metadata.num_row_groups):
+            table = self._tok.read_row_group(g, columns=columns)
+            yield from table.to_batches(max_chunksize=chunk_rows)
+            del table
+
+    def iter_tokens(self, columns, chunk_rows: int = 1 << 20) -> Iterator[tuple[int, dict]]:
+        """Yield (first row number, {column: numpy array}) chunks; ``run`` comes as a list of strings per chunk
+        (``run_values``) plus integer codes (``run``). Required columns are checked for nulls."""
+        columns = list(dict.fromkeys(columns))
+        offset = 0
+        try:
+            for batch in self._batches(columns, int(chunk_rows)):
+                out = {}
+                for name in columns:
+                    col = batch.column(name)
+                    if TOKEN_COLUMNS[name][1] and col.null_count:
+                        row = offset + int(np.flatnonzero(col.is_null().to_numpy(zero_copy_only=False))[0])
+                        raise LabError(f"{self.tokens_file}: row {row}: column {name!r} is null; it is required")
+                    if name == "run":
+                        if pa.types.is_dictionary(col.type):
+                            out["run"] = col.indices.to_numpy(zero_copy_only=False).astype(np.int64)
+                            out["run_values"] = [str(v) for v in col.dictionary.to_pylist()]
+                        else:
+                            values, codes = np.unique(col.to_numpy(zero_copy_only=False).astype(str), return_inverse=True)
+                            out["run"], out["run_values"] = codes.astype(np.int64), [str(v) for v in values]
+                    else:
+                        out[name] = col.to_numpy(zero_copy_only=False)
+                yield offset, out
+                offset += batch.num_rows
+        except (pa.ArrowInvalid, OSError) as e:
+            raise LabError(f"{self.tokens_file}: cannot read row group near row {offset} "
+                           f"({str(e).splitlines()[0]})") from None
+
+
+def open_log(path) -> RolloutLog:
+    return RolloutLog(path)
+
+
+def write_tables(path, meta: dict, tokens: pd.DataFrame, sequences: pd.DataFrame) -> Path:
+    """Write a small log from two pandas tables (tests, examples); columns as in lab.diagnose.schema."""
+    with NeutralLogWriter(path, meta) as w:
+        w.write_tokens({c: (tokens[c].tolist() if tokens[c].dtype == object else tokens[c].to_numpy())
+                        for c in tokens.columns})
+        w.write_sequences({c: (sequences[c].tolist() if sequences[c].dtype == object else sequences[c].to_numpy())
+                           for c in sequences.columns})
+    return Path(path)
+
+
+__all__ = ["LAB_LOGP", "NeutralLogWriter", "RolloutLog", "RolloutLogWriter", "check_log_target", "open_log",
+           "write_tables"]

@@ -1,0 +1,313 @@
+"""From the accumulated state of a pass (lab.diagnose.streaming) to the report's tables, summary and verdict.
+
+Per step and pair, over the step's sequences (those without NaN tokens): Kish ESS fraction (sum W)^2 / (n sum W^2)
+(Kish 1965), chi2 = mean W^2 - 1, max-weight share, PSIS Pareto k-hat (Vehtari et al. 2024; > 0.7: unreliable;
+NaN below 25 sequences), the *dominant share* (the smallest fraction of the step's sequences that holds half of
+its total weight W), k3 = mean over tokens of e^delta - 1 - delta (Schulman 2020), and the token log-ratio's
+moments and quantiles. These are lab.diagnostics' functions, the ones the training simulator logs.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import torch
+
+from lab import diagnostics as wd
+from lab.diagnose import histogram as H
+from lab.diagnose.corrections import sequence_weight
+from lab.diagnose.streaming import KHAT_WARN, LOW_P, MAX_LAG, P_EDGES, PAIR_TEXT, QS, Diagnostics
+from lab.diagnose.fits import median_interval, ols, ratio_intervals
+from lab.diagnose.verdict import verdict
+
+
+def dominant_share(L: np.ndarray) -> float:
+    """Smallest fraction of the sequences whose weights W = e^L hold at least half of sum W."""
+    if L.size == 0:
+        return np.nan
+    w = np.sort(np.exp(L - L.max()))[::-1]
+    cum = np.cumsum(w)
+    k = int(np.searchsorted(cum, 0.5 * cum[-1], side="left")) + 1
+    return k / L.size
+
+
+def sequence_stats(L: np.ndarray) -> dict:
+    """Weight diagnostics of one step's sequence log-weights (lab.diagnostics, float64)."""
+    if L.size == 0:
+        return dict.fromkeys(("ess_frac", "chi2_seq", "max_weight_share", "khat", "dominant_share", "logw_mean",
+                              "logw_sd", "w_median", "w_mean"), np.nan)
+    t = torch.from_numpy(np.array(L, dtype=np.float64))
+    with np.errstate(over="ignore"):
+        w_mean = float(np.mean(np.exp(np.minimum(L, 700.0))))
+    return {"ess_frac": float(wd.kish_ess_fraction(t)), "chi2_seq": float(wd.chi2(t)),
+            "max_weight_share": float(wd.max_weight_share(t)), "khat": float(wd.psis_khat(L)),
+            "dominant_share": dominant_share(L), "logw_mean": float(L.mean()),
+            "logw_sd": float(L.std(ddof=1)) if L.size > 1 else np.nan, "w_median": float(np.exp(np.median(L))),
+            "w_mean": w_mean}
+
+
+def _token_stats(n, s, s2, a, k3, mx, hist) -> dict:
+    with np.errstate(invalid="ignore", divide="ignore"):
+        mean = s / n
+        var = np.maximum(s2 / n - mean**2, 0.0) * n / np.maximum(n - 1, 1)
+    q = H.quantiles(hist, QS)
+    qa = H.abs_quantiles(hist, (0.5, 0.99))
+    out = {"n_tok": n, "mean": mean, "mean_abs": np.where(n > 0, a / np.maximum(n, 1), np.nan),
+           "std": np.sqrt(var), "k3_token": np.where(n > 0, k3 / np.maximum(n, 1), np.nan), "max_abs": mx,
+           "abs_p50": qa[..., 0], "abs_p99": qa[..., 1],
+           "neg_share": np.where(n > 0, hist[..., :H.ZERO].sum(-1) / np.maximum(n, 1), np.nan)}
+    for j, qq in enumerate(QS):
+        out[f"p{int(round(qq * 100)):02d}"] = q[..., j]
+    return out
+
+
+def _sequence_correction(st, c, usable: np.ndarray) -> dict:
+    """Per-sequence weights of a sequence-level correction (zeros outside ``usable``) and its shares."""
+    n_all = len(st.seq)
+    ids = np.flatnonzero(usable)
+    n = st.n_valid[ids]
+    W = sequence_weight(c, st.L[c.pair][ids], n)
+    a_seq = st.seq["advantage"].to_numpy(np.float64)[ids]
+    a_seq = np.where(np.isfinite(a_seq), a_seq, st.a_sum[ids])
+    coef = c.coefficient(W, np.where(a_seq >= 0, 1.0, -1.0))
+    weight = st.a_abs[ids]
+    ch = np.abs(coef - W) > 1e-6 * (1.0 + W)
+    zero = coef == 0
+    out = {}
+    for key, v in (("seq_w", weight * W), ("seq_removed", weight * np.maximum(W - coef, 0.0)),
+                   ("seq_added", weight * np.maximum(coef - W, 0.0))):
+        full = np.zeros(n_all)
+        full[ids] = v
+        out[key] = full
+    tot = n.sum()
+    out.update({"tokens_changed": float(n[ch].sum() / tot) if tot else np.nan,
+                "tokens_zeroed": float(n[zero].sum() / tot) if tot else np.nan,
+                "sequences_changed": float(ch.mean()) if ch.size else np.nan,
+                "sequences_zeroed": float(zero.mean()) if zero.size else np.nan})
+    return out
+
+
+def build(st, seed: int = 0) -> Diagnostics:
+    seq, meta = st.seq, st.log.meta
+    usable = (st.n_bad_seq == 0) & (st.n_valid > 0)
+    groups = st.step_groups
+    order = np.argsort(st.seq_step, kind="stable")
+    bounds = np.searchsorted(st.seq_step[order], np.arange(st.S + 1))
+    tables, summary = {}, {}
+    seq_corr = {c.name: _sequence_correction(st, c, usable) for c in st.corrections if c.level != "token"}
+    req = {}
+    for p in st.pairs:
+        req[f"mean_abs/{p}"] = (st.S_abs[p], st.n_valid)
+        req[f"low/{p}"] = (st.S_low[p], st.S_abs[p])
+    for c in st.corrections:
+        acc = st.tok_corr.get(c.name) or seq_corr[c.name]
+        req[f"removed/{c.name}"] = (acc["seq_removed"], acc["seq_w"])
+        req[f"added/{c.name}"] = (acc["seq_added"], acc["seq_w"])
+    ci = ratio_intervals(req, seed=seed)
+
+    # ---- per step and overall token / sequence statistics
+    per_step, overall = [], {}
+    for p in st.pairs:
+        m = st.mom[p]
+        tok = _token_stats(m["n"], m["sum"], m["sum2"], m["abs"], m["k3"], m["max"], st.hist[p])
+        for s in range(st.S):
+            ids = order[bounds[s]:bounds[s + 1]]
+            ids = ids[usable[ids]]
+            row = {"run": groups["run"][s], "step": int(groups["step"][s]), "pair": p, "n_seq": int(ids.size),
+                   **{k: float(v[s]) for k, v in tok.items()}, **sequence_stats(st.L[p][ids])}
+            row["khat_warning"] = bool(row["khat"] > KHAT_WARN)
+            per_step.append(row)
+        tot = _token_stats(m["n"].sum(), m["sum"].sum(), m["sum2"].sum(), m["abs"].sum(), m["k3"].sum(),
+                           m["max"].max(initial=0.0), st.hist[p].sum(0))
+        steps_p = [r for r in per_step if r["pair"] == p]
+        ess = median_interval([r["ess_frac"] for r in steps_p], seed=seed)
+        dom = median_interval([r["dominant_share"] for r in steps_p], seed=seed)
+        kh = np.array([r["khat"] for r in steps_p], dtype=float)
+        mabs = ci[f"mean_abs/{p}"]
+        L = st.L[p][usable]
+        overall[p] = {"pair": p, **{k: float(v) for k, v in tot.items()}, "mean_abs_lo": mabs[1],
+                      "mean_abs_hi": mabs[2], "n_seq": int(usable.sum()), "n_steps": st.S,
+                      "ess_median": ess[0], "ess_lo": ess[1], "ess_hi": ess[2],
+                      "dominant_median": dom[0], "dominant_lo": dom[1], "dominant_hi": dom[2],
+                      "khat_steps": int(np.isfinite(kh).sum()), "khat_warning_steps": int((kh > KHAT_WARN).sum()),
+                      "khat_median": float(np.nanmedian(kh)) if np.isfinite(kh).any() else np.nan,
+                      **{k: v for k, v in sequence_stats(L).items() if k in ("logw_mean", "logw_sd", "w_median",
+                                                                               "w_mean")},
+                      "median_len": float(np.median(st.n_valid[usable])) if usable.any() else np.nan}
+    tables["per_step"] = pd.DataFrame(per_step)
+    tables["overall"] = pd.DataFrame(list(overall.values()))
+    summary["overall"] = overall
+
+    # ---- dependence on token probability
+    rows, low = [], {}
+    NP = len(P_EDGES) - 1
+    for p in st.pairs:
+        q = st.pbin[p]
+        n_all, abs_all = q["n"].sum(), q["abs"].sum()
+        for b in range(NP):
+            n = q["n"][b]
+            rows.append({"pair": p, "p_lo": P_EDGES[b], "p_hi": min(P_EDGES[b + 1], 1.0), "n_tok": n,
+                         "token_share": n / n_all if n_all else np.nan,
+                         "mean": q["sum"][b] / n if n else np.nan, "mean_abs": q["abs"][b] / n if n else np.nan,
+                         "rms": np.sqrt(q["sum2"][b] / n) if n else np.nan,
+                         "abs_mass_share": q["abs"][b] / abs_all if abs_all else np.nan})
+        lo_b = P_EDGES[1:] <= LOW_P + 1e-12
+        hi_b = P_EDGES[:-1] >= 0.9 - 1e-12
+        mass = ci[f"low/{p}"]
+        n_lo, n_hi = q["n"][lo_b].sum(), q["n"][hi_b].sum()
+        low[p] = {"token_share": n_lo / n_all if n_all else np.nan, "abs_mass_share": mass[0], "lo": mass[1],
+                  "hi": mass[2], "mean_abs_low": q["abs"][lo_b].sum() / n_lo if n_lo else np.nan,
+                  "mean_abs_high": q["abs"][hi_b].sum() / n_hi if n_hi else np.nan}
+    tables["by_probability"] = pd.DataFrame(rows)
+    summary["low_prob"] = low
+
+    # ---- sequence log-weight against length
+    rows, growth = [], {}
+    n_len = st.n_valid[usable]
+    edges = 2.0 ** np.arange(0, max(int(np.ceil(np.log2(n_len.max() + 1))) + 1, 1) + 1) if n_len.size else np.array([1., 2.])
+    for p in st.pairs:
+        L = st.L[p][usable]
+        b = np.clip(np.searchsorted(edges, n_len, side="right") - 1, 0, len(edges) - 2)
+        for k in range(len(edges) - 1):
+            sel = b == k
+            if not sel.any():
+                continue
+            Lk = L[sel]
+            rows.append({"pair": p, "len_lo": int(edges[k]), "len_hi": int(edges[k + 1]) - 1, "n_seq": int(sel.sum()),
+                         "mean_len": float(n_len[sel].mean()), "logw_mean": float(Lk.mean()),
+                         "logw_abs_mean": float(np.abs(Lk).mean()),
+                         "logw_sd": float(Lk.std(ddof=1)) if Lk.size > 1 else np.nan,
+                         "w_median": float(np.exp(np.median(Lk)))})
+        drift = ols(n_len, L)
+        resid = L - drift["intercept"] - drift["slope"] * n_len if np.isfinite(drift["slope"]) else L - L.mean()
+        var = ols(n_len, resid**2)
+        growth[p] = {"drift_per_token": drift["slope"], "drift_lo": drift["lo"], "drift_hi": drift["hi"],
+                     "var_per_token": var["slope"], "var_lo": var["lo"], "var_hi": var["hi"], "n_seq": drift["n"]}
+    tables["by_length"] = pd.DataFrame(rows)
+    tables["growth"] = pd.DataFrame([{"pair": p, **g} for p, g in growth.items()])
+    summary["growth"] = growth
+
+    # ---- staleness (version lag): sequences from the sequences table, tokens from the pass
+    tv = seq["trainer_version"].to_numpy(np.float64)
+    lag_max = tv - seq["version_min"].to_numpy(np.float64)
+    lag_min = tv - seq["version_max"].to_numpy(np.float64)
+    known = np.isfinite(lag_max)
+    rows = []
+    if known.any():
+        lags = lag_max[known].astype(np.int64)
+        main = "total" if "total" in st.pairs else st.pairs[0]
+        for lag in np.unique(lags):
+            sel = known & (lag_max == lag)
+            r = {"lag": int(lag), "n_seq": int(sel.sum()), "seq_share": float(sel.sum() / known.sum())}
+            b = MAX_LAG + 1 if lag < 0 else min(int(lag), MAX_LAG)
+            for p in st.pairs:
+                g = st.lag[p]
+                r[f"n_tok_{p}"] = float(g["n"][b])
+                r[f"mean_abs_{p}"] = g["abs"][b] / g["n"][b] if g["n"][b] else np.nan
+                Ls = st.L[p][sel & usable]
+                r[f"logw_abs_mean_{p}"] = float(np.abs(Ls).mean()) if Ls.size else np.nan
+            rows.append(r)
+        stale = lag_max[known]
+        summary["staleness"] = {"n_seq": int(known.sum()), "stale_share": float((stale >= 1).mean()),
+                                "mean_lag": float(stale.mean()), "max_lag": int(stale.max()),
+                                "negative_lags": int((stale < 0).sum()),
+                                "spanning_versions": int((lag_max[known] != lag_min[known]).sum()),
+                                "pair": main}
+    else:
+        summary["staleness"] = None
+    tables["staleness"] = pd.DataFrame(rows)
+
+    # ---- corrections
+    rows, corr_sum = [], {}
+    has_tok = st.n_valid > 0
+    for c in st.corrections:
+        rem, add = ci[f"removed/{c.name}"], ci[f"added/{c.name}"]
+        if c.level == "token":
+            acc = st.tok_corr[c.name]
+            n_tok, changed, zeroed = acc["tot"][0], acc["tot"][1], acc["tot"][2]
+            seq_changed = float((acc["seq_changed"][has_tok] > 0).mean()) if has_tok.any() else np.nan
+            tok_changed, tok_zeroed = changed / n_tok if n_tok else np.nan, zeroed / n_tok if n_tok else np.nan
+            seq_zeroed = np.nan
+        else:
+            acc = seq_corr[c.name]
+            tok_changed, tok_zeroed = acc["tokens_changed"], acc["tokens_zeroed"]
+            seq_changed, seq_zeroed = acc["sequences_changed"], acc["sequences_zeroed"]
+        row = {"name": c.name, "label": c.label, "level": c.level, "pair": c.pair, "hyper": c.describe(),
+               "tokens_changed": tok_changed, "tokens_zeroed": tok_zeroed, "sequences_changed": seq_changed,
+               "sequences_zeroed": seq_zeroed, "removed": rem[0], "removed_lo": rem[1], "removed_hi": rem[2],
+               "added": add[0], "added_lo": add[1], "added_hi": add[2]}
+        rows.append(row)
+        corr_sum[c.name] = {k: v for k, v in row.items() if k != "name"}
+    tables["corrections"] = pd.DataFrame(rows)
+    summary["corrections"] = corr_sum
+
+    # ---- histograms (non-empty bins), overall and per step
+    lo, hi = H.bin_edges()
+    rows = []
+    for p in st.pairs:
+        for s in [-1, *range(st.S)]:
+            counts = st.hist[p].sum(0) if s < 0 else st.hist[p][s]
+            nz = np.flatnonzero(counts)
+            rows.append(pd.DataFrame({"pair": p, "run": None if s < 0 else groups["run"][s],
+                                      "step": pd.array([pd.NA if s < 0 else int(groups["step"][s])] * nz.size,
+                                                       dtype="Int64"),
+                                      "bin": nz, "bin_lo": lo[nz], "bin_hi": hi[nz], "count": counts[nz]}))
+    tables["histograms"] = pd.concat(rows, ignore_index=True) if rows else pd.DataFrame()
+
+    bad = {k: int(v) for k, v in st.bad.items()}
+    summary.update({
+        "study": "diagnose", "source": meta["source"], "logp": meta["logp"], "sampling": meta["sampling"],
+        "pairs": st.pairs, "pair_text": {p: PAIR_TEXT[p] for p in st.pairs},
+        "n_token_rows": int(st.n_rows.sum()), "n_loss_tokens": int(st.n_masked.sum()),
+        "n_tokens_used": int(st.n_valid.sum()), "n_sequences": int(len(seq)), "n_steps": int(st.S),
+        "advantages": sorted(st.adv_source) or ["none"],
+        "nan": {"mode": st.nan, "tokens": bad, "sequences": int((st.n_bad_seq > 0).sum())},
+        "truncated_sampling": bool((meta["sampling"]["top_p"] or 1) < 1 or (meta["sampling"]["top_k"] or 0) > 0),
+        "notes": meta.get("notes", []),
+    })
+    summary["verdict"] = verdict(summary)
+    summary["headline"] = summary["verdict"][0] if summary["verdict"] else ""
+    tables["results"] = tidy(tables)
+    return Diagnostics(meta=meta, summary=summary, tables=tables)
+
+
+INTERVALS = {"mean_abs": ("mean_abs_lo", "mean_abs_hi"), "ess_median": ("ess_lo", "ess_hi"),
+             "dominant_median": ("dominant_lo", "dominant_hi"), "removed": ("removed_lo", "removed_hi"),
+             "added": ("added_lo", "added_hi"), "drift_per_token": ("drift_lo", "drift_hi"),
+             "var_per_token": ("var_lo", "var_hi"), "abs_mass_share": ("lo", "hi")}
+SECTION_KEYS = {"per_step": ["pair", "run", "step"], "overall": ["pair"], "by_probability": ["pair", "p_lo", "p_hi"],
+                "by_length": ["pair", "len_lo", "len_hi"], "growth": ["pair"], "staleness": ["lag"],
+                "corrections": ["name", "pair"]}
+TIDY_COLUMNS = ["section", "pair", "run", "step", "name", "lag", "p_lo", "p_hi", "len_lo", "len_hi", "metric", "value",
+                "lo", "hi"]
+
+
+def tidy(tables: dict) -> pd.DataFrame:
+    """One long table of every number: section, its keys (pair, run, step, name, lag, p or length bin), metric,
+    value and the 95 % interval (lo, hi) where the report computes one."""
+    bounds = {c for pair in INTERVALS.values() for c in pair}
+    parts = []
+    for section, keys in SECTION_KEYS.items():
+        df = tables.get(section)
+        if df is None or df.empty:
+            continue
+        metrics = [c for c in df.columns if c not in keys and c not in bounds
+                   and pd.api.types.is_numeric_dtype(df[c]) and not pd.api.types.is_bool_dtype(df[c])]
+        long = df.melt(id_vars=keys, value_vars=metrics, var_name="metric", value_name="value")
+        for j, side in enumerate(("lo", "hi")):
+            cols = {m: (df[INTERVALS[m][j]] if m in INTERVALS and INTERVALS[m][j] in df else pd.Series(np.nan, index=df.index))
+                    for m in metrics}
+            long[side] = pd.DataFrame(cols).melt(value_vars=metrics)["value"].to_numpy(dtype=float)
+        long.insert(0, "section", section)
+        parts.append(long)
+    if not parts:
+        return pd.DataFrame(columns=TIDY_COLUMNS)
+    out = pd.concat(parts, ignore_index=True)
+    for col in TIDY_COLUMNS:
+        if col not in out:
+            out[col] = None if col in ("pair", "run", "name") else np.nan
+    out["value"] = out["value"].astype(float)
+    out["step"] = pd.array(pd.to_numeric(out["step"]), dtype="Int64")
+    out["lag"] = pd.array(pd.to_numeric(out["lag"]), dtype="Int64")
+    for col in ("pair", "run", "name"):
+        out[col] = out[col].astype(object).where(out[col].notna(), None)
+    return out[TIDY_COLUMNS]

@@ -1,0 +1,142 @@
+"""The plain-language verdict at the top of the report: a few sentences, each backed by a number in the summary.
+
+Thresholds (stated so that a reader can disagree with them): k-hat > 0.7 marks a step where sequence-level IS is
+unreliable (Vehtari et al. 2024); the mismatch is "concentrated" on low-probability tokens when, per token, tokens with
+p < 0.1 carry at least 1.5 times the |log-ratio| of the other tokens, with the whole 95 % interval above 1.5
+("not concentrated" when it lies below, "not resolved" otherwise); a log-ratio is "one-sided" when at
+least 90 % of tokens have the same sign.
+"""
+from __future__ import annotations
+
+import math
+
+from lab.diagnose.corrections import CORRECTIONS
+
+CONCENTRATED = 1.5  # |Δ| per token on p < 0.1 over |Δ| per token on the others
+PAIR_WORDS = {"mismatch": "trainer/sampler", "update": "current/old policy", "total": "current/sampler"}
+
+
+def _ok(x) -> bool:
+    return x is not None and isinstance(x, (int, float)) and math.isfinite(x)
+
+
+def _pct(x, digits: int = 2) -> str:
+    if not _ok(x):
+        return "n/a"
+    v = 100 * x
+    if v == 0:
+        return "0 %"
+    return f"{v:.{max(0, digits - 1 - int(math.floor(math.log10(abs(v)))))}f} %" if abs(v) < 10 else f"{v:.0f} %"
+
+
+def _num(x) -> str:
+    return f"{x:.3g}" if _ok(x) else "n/a"
+
+
+def _ci(lo, hi, fmt=_num) -> str:
+    return f" [{fmt(lo)}, {fmt(hi)}]" if _ok(lo) and _ok(hi) else ""
+
+
+def verdict(summary: dict) -> list[str]:
+    pairs = summary["pairs"]
+    main = "total" if "total" in pairs else pairs[0]
+    mis = "mismatch" if "mismatch" in pairs else main
+    o, lines = summary["overall"][main], []
+    n_steps = o["n_steps"]
+
+    # 1. would sequence-level IS work?
+    text = (f"Sequence-level IS on {PAIR_WORDS[main]} ratios would be dominated by {_pct(o['dominant_median'])}"
+            f"{_ci(o['dominant_lo'], o['dominant_hi'], _pct)} of sequences: that share of a step's sequences holds half "
+            f"of its total weight (median over {n_steps} step{'s' if n_steps != 1 else ''}); Kish ESS "
+            f"{_pct(o['ess_median'])} of the batch")
+    if o["khat_steps"]:
+        text += f"; Pareto k-hat > 0.7 in {o['khat_warning_steps']} of {o['khat_steps']} steps"
+        if o["khat_warning_steps"] > o["khat_steps"] / 2:
+            text += ": sequence-level IS estimates are unreliable here"
+    else:
+        text += "; k-hat needs at least 25 sequences per step"
+    lines.append(text + ".")
+
+    # 2. where the mismatch lives
+    lp = summary["low_prob"].get(mis)
+    if lp and _ok(lp["token_share"]) and _ok(lp["abs_mass_share"]) and 0 < lp["token_share"] < 1:
+        def intensity(mass):  # |Δ| per low-p token over |Δ| per other token
+            return (mass / lp["token_share"]) / max((1 - mass) / (1 - lp["token_share"]), 1e-300)
+
+        r, r_lo, r_hi = (intensity(lp[k]) if _ok(lp[k]) else float("nan") for k in ("abs_mass_share", "lo", "hi"))
+        means = (f"; mean |Δ| {_num(lp['mean_abs_low'])} against {_num(lp['mean_abs_high'])} for p > 0.9"
+                 if _ok(lp["mean_abs_low"]) and _ok(lp["mean_abs_high"]) else "")
+        share = (f"they are {_pct(lp['token_share'])} of tokens and carry {_pct(lp['abs_mass_share'])}"
+                 f"{_ci(lp['lo'], lp['hi'], _pct)} of the |log-ratio| mass, {_num(r)}x{_ci(r_lo, r_hi)} the |Δ| per "
+                 f"token of the others{means}")
+        if _ok(r_lo) and r_lo >= CONCENTRATED:
+            lines.append(f"The {PAIR_WORDS[mis]} mismatch is concentrated on tokens with p < 0.1: {share}.")
+        elif _ok(r_hi) and r_hi < CONCENTRATED:
+            lines.append(f"The {PAIR_WORDS[mis]} mismatch is not concentrated on low-probability tokens (p < 0.1): "
+                         f"{share}.")
+        else:
+            lines.append(f"Whether the {PAIR_WORDS[mis]} mismatch is concentrated on low-probability tokens (p < 0.1) "
+                         f"is not resolved (the interval straddles {CONCENTRATED}x): {share}.")
+
+    # 3. small per-token differences compound over length
+    om, g = summary["overall"][mis], summary["growth"].get(mis, {})
+    text = (f"Per token, |log {PAIR_WORDS[mis]} ratio| averages {_num(om['mean_abs'])}"
+            f"{_ci(om['mean_abs_lo'], om['mean_abs_hi'])} (p99 {_num(om['abs_p99'])}, mean {_num(om['mean'])}); over "
+            f"responses of median length {_num(om['median_len'])} the sequence log-weight has sd {_num(om['logw_sd'])} "
+            f"and the median sequence ratio is {_num(om['w_median'])}")
+    if _ok(g.get("var_per_token")):
+        text += (f": Var(log W) grows by {_num(g['var_per_token'])}{_ci(g['var_lo'], g['var_hi'])} per token and "
+                 f"log W drifts by {_num(g['drift_per_token'])}{_ci(g['drift_lo'], g['drift_hi'])} per token")
+    lines.append(text + ".")
+
+    # 4. staleness
+    st = summary.get("staleness")
+    if st:
+        text = (f"Staleness: {_pct(st['stale_share'])} of sequences were generated at least one policy version "
+                f"behind the trainer (mean lag {_num(st['mean_lag'])}, max {st['max_lag']})")
+        if st.get("negative_lags"):
+            text += f"; {st['negative_lags']} sequences claim a version newer than the trainer's (check the versions)"
+        lines.append(text + ".")
+    else:
+        lines.append("This log has no policy versions: staleness cannot be told apart from sampler/trainer mismatch.")
+
+    # 5. what each correction does
+    parts, idle = [], []
+    for name in CORRECTIONS:
+        c = summary["corrections"].get(name)
+        if not c:
+            continue
+        on = f" on {PAIR_WORDS[c['pair']]}" if c["pair"] != mis else ""
+        if not (_ok(c["tokens_changed"]) and c["tokens_changed"] > 0):
+            idle.append(c["label"] + on)
+            continue
+        parts.append(f"{c['label']}{on} changes {_pct(c['tokens_changed'])} of tokens and removes "
+                     f"{_pct(c['removed'])}{_ci(c['removed_lo'], c['removed_hi'], _pct)} of the gradient weight"
+                     + (f" (adds {_pct(c['added'])})" if _ok(c["added"]) and c["added"] >= 0.001 else ""))
+    if parts or idle:
+        text = f"At their default thresholds, on {PAIR_WORDS[mis]} ratios unless said: " + "; ".join(parts)
+        if idle:
+            text += ("; " if parts else "") + f"{', '.join(idle)} change{'s' if len(idle) == 1 else ''} no token"
+        lines.append(text + ".")
+
+    # 6. truncated sampling and one-sided ratios
+    neg = om.get("neg_share")
+    one_sided = _ok(neg) and (neg >= 0.9 or neg <= 0.1) and om["n_tok"] > 0
+    if summary.get("truncated_sampling"):
+        s = summary["sampling"]
+        what = ", ".join(f"{k} {v}" for k, v in s.items() if v is not None)
+        lines.append(f"Sampling was truncated ({what}): if the engine reports log-probs of the renormalised "
+                     f"distribution, every token's trainer/sampler log-ratio is shifted by the log of the kept mass"
+                     + (f"; here {_pct(neg)} of tokens have a negative log-ratio, consistent with that shift"
+                        if one_sided else "") + ".")
+    elif one_sided:
+        lines.append(f"The trainer/sampler log-ratio is one-sided: {_pct(neg)} of tokens are negative. Check that "
+                     f"both sides use the same temperature and no top-p/top-k truncation.")
+
+    # 7. dropped NaN tokens
+    nan = summary.get("nan", {})
+    n_bad = sum(nan.get("tokens", {}).values())
+    if n_bad:
+        lines.append(f"{n_bad} loss-masked tokens had missing or NaN log-probs ({nan['sequences']} sequences): "
+                     f"excluded from token statistics, their sequences from sequence statistics.")
+    return lines

@@ -1,0 +1,176 @@
+"""`lab diagnose` end to end: the run folder, converted logs, one-line errors that leave nothing behind, memory that
+does not grow with the log, and the report notebook."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from lab.diagnose import diagnose, make_meta
+from lab.diagnose.cli import TABLES, main
+from lab.diagnose.neutral import NeutralLogWriter
+from lab.diagnose.synthetic import random_log, simulate
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def sim(tmp_path_factory):
+    return simulate(tmp_path_factory.mktemp("sim") / "log", steps=4, batch=32, vocab=32, mean_len=24, lag_max=2,
+                    drift=0.05)
+
+
+def test_run_folder_holds_every_table(sim, tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main([str(sim), "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert {p.name for p in out.iterdir()} == {"config.json", "results.parquet", "summary.json",
+                                               *(f"{t}.parquet" for t in TABLES)}
+    summary = json.loads((out / "summary.json").read_text())
+    config = json.loads((out / "config.json").read_text())
+    assert summary["verdict"][0] in printed and summary["headline"] == summary["verdict"][0]
+    assert summary["n_steps"] == 4 and summary["pairs"] == ["mismatch", "update", "total"]
+    assert config["from"] == "lab" and config["log_meta"]["source"] == "synthetic" and config["versions"]["pyarrow"]
+    res = pd.read_parquet(out / "results.parquet")
+    assert {"section", "pair", "step", "metric", "value", "lo", "hi"} <= set(res.columns)
+    ess = res[(res["section"] == "overall") & (res["metric"] == "ess_median")]
+    assert len(ess) == 3 and (ess["lo"] <= ess["value"]).all() and (ess["value"] <= ess["hi"]).all()
+    per_step = pd.read_parquet(out / "per_step.parquet")
+    assert len(per_step) == 4 * 3
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+
+
+def test_hyper_parameters_sampling_and_one_sided_logs(tmp_path, capsys):
+    rng = np.random.default_rng(0)
+    meta = make_meta("test", {"sampler_logp": "engine", "old_logp": "trainer", "current_logp": None})
+    n, lens = 4000, np.full(40, 100)
+    s = np.log(rng.random(n)).astype(np.float32)
+    with NeutralLogWriter(tmp_path / "log", meta) as w:  # the trainer sits 0.05 below the sampler on every token
+        w.write_tokens({"run": "", "step": 1, "sample_id": np.repeat(np.arange(40), 100), "position": np.tile(np.arange(100), 40),
+                        "loss_mask": np.ones(n, bool), "sampler_logp": s,
+                        "old_logp": s - np.float32(0.05) + 0.005 * rng.standard_normal(n).astype(np.float32)})
+        w.write_sequences({"run": "", "step": 1, "sample_id": np.arange(40), "response_length": lens})
+    assert main([str(tmp_path / "log")]) == 0
+    assert "one-sided: 100 % of tokens are negative" in capsys.readouterr().out
+    assert main([str(tmp_path / "log"), "--top-p", "0.95"]) == 0
+    assert "Sampling was truncated (top_p 0.95)" in capsys.readouterr().out
+    base = diagnose(tmp_path / "log", progress=False).tables["corrections"].set_index("name")
+    tight = diagnose(tmp_path / "log", hyper={"mis_token": {"lower": 0.96}}, progress=False
+                     ).tables["corrections"].set_index("name")
+    assert base.loc["mis_token", "tokens_changed"] == 0 < tight.loc["mis_token", "tokens_changed"]
+    assert main([str(tmp_path / "log"), "-H", "nope.cap=3"]) == 2
+    assert "hyper-parameters given for nope" in capsys.readouterr().err
+    assert main([str(tmp_path / "log"), "-H", "tis_token.kap=3"]) == 2
+    assert "has no hyper-parameter(s) kap" in capsys.readouterr().err
+
+
+def test_failures_write_nothing(sim, tmp_path, capsys):
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("mine")
+    assert main([str(sim), "--out", str(foreign)]) == 2
+    assert "not a run folder" in capsys.readouterr().err and (foreign / "notes.txt").read_text() == "mine"
+    tok = pd.read_parquet(sim / "tokens.parquet")
+    tok.loc[tok.index[tok["loss_mask"]][5], "sampler_logp"] = np.nan
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    for f in ("sequences.parquet", "meta.json"):
+        (bad / f).write_bytes((sim / f).read_bytes())
+    tok.to_parquet(bad / "tokens.parquet", index=False)
+    out = tmp_path / "run"
+    assert main([str(bad), "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "sampler_logp is missing or NaN" in err[0] and "1 such tokens in 1 sequences" in err[0]
+    assert not out.exists()
+    assert main([str(bad), "--out", str(out), "--nan", "drop"]) == 0
+    assert json.loads((out / "summary.json").read_text())["nan"]["tokens"]["sampler_logp"] == 1
+    assert main([str(sim), "--nan", "ignore"]) == 2
+    assert "nan must be 'error' or 'drop'" in capsys.readouterr().err
+
+
+def test_save_log_keeps_the_converted_log(tmp_path, capsys):
+    from test_diagnose_adapters import prime_record, write_prime_export  # tests/ is on sys.path (rootdir conftest)
+
+    rng = np.random.default_rng(7)
+    write_prime_export(tmp_path / "out", {(1, 0): [prime_record(rng, 1, 0, 0, i, i, 4, 30) for i in range(30)]})
+    assert main(["--from", "prime-rl", str(tmp_path / "out"), "--save-log", str(tmp_path / "neutral"),
+                 "--out", str(tmp_path / "a")]) == 0
+    assert main([str(tmp_path / "neutral"), "--out", str(tmp_path / "b")]) == 0
+    a, b = (json.loads((tmp_path / x / "summary.json").read_text()) for x in "ab")
+    assert a["overall"] == b["overall"] and a["verdict"] == b["verdict"]
+    assert main([str(tmp_path / "neutral"), "--save-log", str(tmp_path / "c")]) == 2
+    assert "already neutral" in capsys.readouterr().err
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+
+
+MEASURE = textwrap.dedent("""
+    import os, sys
+    os.environ["LAB_QUIET"] = "1"
+    from lab.diagnose import diagnose
+
+    def kib(key):
+        for line in open("/proc/self/status"):
+            if line.startswith(key):
+                return int(line.split()[1])
+
+    small, large, chunk = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    for path in (small, large):  # warm-up: imports, code pages, allocator pools
+        diagnose(path, chunk_rows=chunk, progress=False)
+    for path in (small, large):
+        open("/proc/self/clear_refs", "w").write("5")  # reset the peak-RSS mark
+        base = kib("VmRSS")
+        diagnose(path, chunk_rows=chunk, progress=False)
+        print((kib("VmHWM") - base) / 1024)
+""")
+
+
+@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="peak RSS reset needs Linux /proc")
+def test_memory_does_not_grow_with_the_log(tmp_path):
+    """Peak memory above the baseline for a log 4x longer stays about the same: it is set by the chunk and the
+    row-group size, not by the number of tokens."""
+    small = random_log(tmp_path / "small", 100_000, mean_len=200, batch=256, row_group_rows=1 << 14)
+    large = random_log(tmp_path / "large", 400_000, mean_len=200, batch=256, row_group_rows=1 << 14)
+    run = subprocess.run([sys.executable, "-c", MEASURE, str(small), str(large), str(1 << 14)], capture_output=True,
+                         text=True, cwd=ROOT, timeout=300)
+    assert run.returncode == 0, run.stderr
+    peak_small, peak_large = map(float, run.stdout.split()[-2:])
+    tokens_mb = 400_000 * 60 / 2**20  # what holding the long log's columns in memory would take, at least
+    assert peak_large < peak_small + 0.25 * tokens_mb, (peak_small, peak_large)
+
+
+def test_report_notebook(tmp_path, monkeypatch):
+    """The notebook has a tagged parameters cell with out_dir and writes its run folder; its code cells run here,
+    in process, with the smoke parameters injected after the parameters cell as papermill does."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    nb = json.loads((ROOT / "notebooks" / "rollout_diagnostics.ipynb").read_text())
+    code = [c for c in nb["cells"] if c["cell_type"] == "code"]
+    params = [c for c in code if "parameters" in c.get("metadata", {}).get("tags", [])]
+    assert len(params) == 1 and "out_dir = None" in "".join(params[0]["source"])
+    out = tmp_path / "run"
+    smoke = {"out_dir": str(out), "simulate": {"steps": 3, "batch": 32, "group_size": 8, "vocab": 32, "mean_len": 20,
+                                               "lag_max": 2, "drift": 0.05, "sampler_dtype": "bfloat16", "seed": 0}}
+    monkeypatch.chdir(ROOT)
+    ns: dict = {}
+    shown = []
+    for cell in code:
+        src = "".join(cell["source"]).replace("%matplotlib inline", "")
+        exec(compile(src, "rollout_diagnostics.ipynb", "exec"), ns)
+        if cell is params[0]:
+            ns.update(smoke)
+        last = src.strip().splitlines()[-1] if src.strip() else ""
+        if last and not last.startswith((" ", "pd.set_option", "if ", "with ")) and "=" not in last.split("(")[0]:
+            shown.append(eval(compile(last.rstrip(";"), "cell", "eval"), ns))
+    assert {"config.json", "results.parquet", "summary.json"} <= {p.name for p in out.iterdir()}
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["n_steps"] == 3 and summary["verdict"] == ns["diag"].verdict
+    figs = [x for x in shown if isinstance(x, matplotlib.figure.Figure)]
+    assert len(figs) == 6
+    assert any(isinstance(x, pd.DataFrame) for x in shown)
