@@ -162,8 +162,10 @@ def build_parser() -> argparse.ArgumentParser:
     r.set_defaults(func=cmd_report)
 
     from lab.diagnose.cli import add_parser as add_diagnose
+    from lab.pretrain import add_parser as add_pretrain
 
     add_diagnose(sub)
+    add_pretrain(sub)
     return p
 
 

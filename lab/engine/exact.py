@@ -17,9 +17,10 @@ import torch
 
 import toy_envs
 from lab.errors import LabError
-from lab.policies import Policy, sample, sequence_log_probs
+from lab.policies import Policy, sample, sequence_log_probs, token_log_probs
 
 REFERENCES = ("exact", "mc")
+NETWORK_CHUNK = 2048  # (prompt, response) pairs per forward / backward pass of a network policy
 
 
 @dataclass(frozen=True)
@@ -59,11 +60,31 @@ class Problem:
         raise LabError(f"unknown reference {self.reference!r}; choose exact or mc")
 
 
+def chunks(policy: Policy, n: int) -> list[slice]:
+    """Slices of n pairs for one pass each: all at once for tabular policies, NETWORK_CHUNK for networks (their
+    activations over every enumerated pair would not fit in memory)."""
+    size = n if policy.gradient_backend == "rows" else NETWORK_CHUNK
+    return [slice(s, min(s + size, n)) for s in range(0, max(n, 1), max(size, 1))]
+
+
 def exact_support(env, policy: Policy, theta, enum_limit: int) -> Support:
     prompts, tokens, mask = env.enumerate(enum_limit)
     with torch.no_grad():
-        logp = sequence_log_probs(policy, theta.double(), prompts, tokens, mask)
+        logp = torch.cat([sequence_log_probs(policy, theta.double(), prompts[c], tokens[c], mask[c])
+                          for c in chunks(policy, prompts.shape[0])])
     return Support(prompts, tokens, mask, torch.exp(logp) / env.n_prompts, True)
+
+
+def pullback(policy: Policy, theta, prompts, tokens, coef: torch.Tensor) -> torch.Tensor:
+    """grad_theta sum_{n, t} coef[n, t] log pi(y_t | s_t) for given (detached) coefficients [N, T], float64,
+    in chunks of pairs (one backward pass each)."""
+    theta = theta.detach().double().requires_grad_(True)
+    total = torch.zeros_like(theta)
+    for c in chunks(policy, prompts.shape[0]):
+        lp = token_log_probs(policy, theta, prompts[c], tokens[c])
+        (g,) = torch.autograd.grad((coef[c] * lp).sum(), theta)
+        total += g
+    return total
 
 
 def mc_support(env, policy: Policy, theta, n: int, generator: torch.Generator) -> Support:
@@ -79,11 +100,25 @@ def objective(env, support: Support) -> float:
 
 def policy_gradient(env, policy: Policy, theta, support: Support) -> torch.Tensor:
     """grad J = sum_y w(y) R(y) grad log pi(y) in float64, where ``support`` is pi's own distribution."""
-    theta = theta.detach().double().requires_grad_(True)
     reward = env.expected_reward(support.prompts, support.tokens, support.mask)
-    logp = sequence_log_probs(policy, theta, support.prompts, support.tokens, support.mask)
-    (grad,) = torch.autograd.grad((support.weights * reward * logp).sum(), theta)
-    return grad
+    if policy.gradient_backend == "rows":  # one pass: the tabular numbers exactly as they always were
+        theta = theta.detach().double().requires_grad_(True)
+        logp = sequence_log_probs(policy, theta, support.prompts, support.tokens, support.mask)
+        (grad,) = torch.autograd.grad((support.weights * reward * logp).sum(), theta)
+        return grad
+    coef = (support.weights * reward)[:, None] * support.mask
+    return pullback(policy, theta, support.prompts, support.tokens, coef)
+
+
+def _log_weights(pi: tuple, mu: tuple, prompts, tokens, mask):
+    """Per pair: L = sum_t m_t log(pi/mu)(y_t) and the per-token chi2 sum_a pi_t(a)^2/mu_t(a) - 1 (masked), on CPU."""
+    lp_pi = torch.log_softmax(pi[0].logits(pi[1].double(), prompts, tokens), -1)
+    lp_mu = torch.log_softmax(mu[0].logits(mu[1].double(), prompts, tokens), -1).to(lp_pi.device)
+    dev = lp_pi.device
+    tok, m = tokens.to(dev)[..., None], mask.to(dev)
+    L = ((lp_pi.gather(-1, tok) - lp_mu.gather(-1, tok)).squeeze(-1) * m).sum(-1)
+    chi2_t = (torch.exp(2 * lp_pi - lp_mu).sum(-1) - 1.0) * m
+    return L.cpu(), chi2_t.cpu()
 
 
 def divergence(pi: tuple, mu: tuple, support_mu: Support) -> dict:
@@ -96,13 +131,9 @@ def divergence(pi: tuple, mu: tuple, support_mu: Support) -> dict:
     """
     s = support_mu
     with torch.no_grad():
-        lp_pi = torch.log_softmax(pi[0].logits(pi[1].double(), s.prompts, s.tokens), -1)
-        lp_mu = torch.log_softmax(mu[0].logits(mu[1].double(), s.prompts, s.tokens), -1).to(lp_pi.device)
-        dev = lp_pi.device
-        tok, mask = s.tokens.to(dev)[..., None], s.mask.to(dev)
-        L = ((lp_pi.gather(-1, tok) - lp_mu.gather(-1, tok)).squeeze(-1) * mask).sum(-1)
-        chi2_t = (torch.exp(2 * lp_pi - lp_mu).sum(-1) - 1.0) * mask
-        w = s.weights.to(dev)
+        L, chi2_t = map(torch.cat, zip(*[_log_weights(pi, mu, s.prompts[c], s.tokens[c], s.mask[c])
+                                         for c in chunks(pi[0], s.prompts.shape[0])]))
+        mask, w = s.mask, s.weights
         mean_len = float((w * mask.sum(-1)).sum())
         kl_seq = float((w * -L).sum())
         mean_L = float((w * L).sum())

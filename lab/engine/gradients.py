@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch.func import grad, vmap
 
 from lab.engine.estimator import Estimator
+from lab.engine.exact import chunks, pullback
 from lab.policies import token_log_probs
 
 
@@ -148,13 +149,41 @@ def expected_gradient(env, policy, theta_pi, mu: tuple, support_mu, est: Estimat
         return None
     s = support_mu
     with torch.no_grad():
-        old = token_log_probs(mu[0], mu[1].double(), s.prompts, s.tokens) * s.mask
+        old = torch.cat([token_log_probs(mu[0], mu[1].double(), s.prompts[c], s.tokens[c])
+                         for c in chunks(policy, s.prompts.shape[0])]) * s.mask
     adv = env.expected_reward(s.prompts, s.tokens, s.mask)[:, None] * s.mask
-    theta = theta_pi.detach().double().requires_grad_(True)
-    log_prob = (token_log_probs(policy, theta, s.prompts, s.tokens) * s.mask)
-    lp_leaf = log_prob.detach().requires_grad_(True)
+    if policy.gradient_backend == "rows":  # one pass: the tabular numbers exactly as they always were
+        theta = theta_pi.detach().double().requires_grad_(True)
+        log_prob = (token_log_probs(policy, theta, s.prompts, s.tokens) * s.mask)
+        lp_leaf = log_prob.detach().requires_grad_(True)
+        loss, _ = est.loss_on_log_probs(lp_leaf, old, adv, s.mask)
+        (coef,) = torch.autograd.grad(loss, lp_leaf)
+        coef = coef * s.weights[:, None] * s.weights.shape[0]
+        (g,) = torch.autograd.grad((coef.detach() * log_prob).sum(), theta)
+        return -g.reshape(-1)
+    with torch.no_grad():  # networks: the coefficients on the log-probs, then one chunked pull-back
+        lp = torch.cat([token_log_probs(policy, theta_pi.double(), s.prompts[c], s.tokens[c])
+                        for c in chunks(policy, s.prompts.shape[0])]) * s.mask
+    lp_leaf = lp.requires_grad_(True)
     loss, _ = est.loss_on_log_probs(lp_leaf, old, adv, s.mask)
     (coef,) = torch.autograd.grad(loss, lp_leaf)
-    coef = coef * s.weights[:, None] * s.weights.shape[0]
-    (g,) = torch.autograd.grad((coef.detach() * log_prob).sum(), theta)
-    return -g.reshape(-1)
+    coef = coef * s.mask * s.weights[:, None] * s.weights.shape[0]
+    return -pullback(policy, theta_pi, s.prompts, s.tokens, coef.detach()).reshape(-1)
+
+
+def exact_direction(env, policy, theta_pi, mu: tuple, support_mu, est: Estimator, grad_j: torch.Tensor) -> dict | None:
+    """The exact expected gradient (advantage = R, by enumeration) against the estimator's target c grad J:
+    relative bias ||E g - c grad J|| / ||c grad J||, cos(E g, grad J) and size ||E g|| / ||c grad J||. A shorter
+    gradient that points the right way has cosine 1 and size < 1: its bias is a step size, not a direction. None
+    when the loss is not separable or needs inputs beyond the samples (group rewards)."""
+    if est.info.inputs:
+        return None
+    g = expected_gradient(env, policy, theta_pi, mu, support_mu, est)
+    if g is None:
+        return None
+    g = g / est.grad_scale
+    target = est.target_scale(env.length) * grad_j.reshape(-1).to(g.device)
+    norm = float(target.norm())
+    return {"exact_rel_bias": float((g - target).norm()) / norm,
+            "exact_cos": float(g @ target) / (float(g.norm()) * norm) if float(g.norm()) > 0 else float("nan"),
+            "exact_size": float(g.norm()) / norm}

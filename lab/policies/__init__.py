@@ -1,7 +1,9 @@
 """Policies (see ``lab.policies.protocol`` for what a policy provides) and the functions every policy shares:
 log-probs of given tokens and autoregressive sampling with recorded log-probs.
 
-Kinds: ``prefix`` and ``markov`` (tabular softmax, ``lab.policies.tabular``).
+Kinds: ``prefix`` and ``markov`` (tabular softmax, ``lab.policies.tabular``), ``transformer`` (the lab's own
+decoder-only transformer, ``lab.policies.transformer``; sizes from "test" to "1m"), and through
+``lab.policies.hf`` any local causal LM (a ``save_pretrained`` folder or a GGUF file).
 """
 from __future__ import annotations
 
@@ -15,10 +17,17 @@ __all__ = ["POLICIES", "MarkovPolicy", "Perturbed", "Policy", "PrefixTreePolicy"
            "check_device", "init_params", "log_probs_of", "token_log_probs", "sequence_log_probs", "sample"]
 
 
-def make_policy(kind: str, env) -> Policy:
-    """The policy ``kind`` sized for ``env``."""
+KINDS = (*POLICIES, "transformer")
+
+
+def make_policy(kind: str, env, size: str = "small", initial=None) -> Policy:
+    """The policy ``kind`` sized for ``env``; a transformer of ``size`` (with ``initial`` parameters, if given)."""
+    if kind == "transformer":
+        from lab.policies.transformer import TransformerPolicy
+
+        return TransformerPolicy.for_env(env, size, initial)
     if kind not in POLICIES:
-        raise LabError(f"unknown policy {kind!r}; choose one of {', '.join(POLICIES)}")
+        raise LabError(f"unknown policy {kind!r}; choose one of {', '.join(KINDS)}")
     return POLICIES[kind](env.n_prompts, env.vocab_size, env.length)
 
 

@@ -11,6 +11,7 @@ gradient backend differentiates the gathered rows and scatters them back (``grad
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -60,6 +61,21 @@ class PrefixTreePolicy(_Table):
             prefix[..., t] = prefix[..., t - 1] * V + tokens[..., t - 1]
         offsets = torch.tensor([(V**t - 1) // (V - 1) for t in range(T)], dtype=torch.long)
         return prompts[..., None] * self.nodes_per_prompt + offsets + prefix
+
+    def params_for(self, env, log_p: torch.Tensor) -> torch.Tensor:
+        """Logits representing the sequence distribution exp(log_p) ([P, N], the env's enumeration order) exactly.
+
+        Each node's logits are the log marginal probabilities of its children (the node's own mass cancels in the
+        softmax); nodes no response reaches get logits 0, children of zero mass -1000.
+        """
+        prompts, tokens, mask = env.enumerate()
+        V = self.vocab_size
+        index = (self.rows(prompts, tokens) * V + tokens)[mask > 0]
+        mass = log_p.double().reshape(-1).exp()[:, None].expand(tokens.shape)[mask > 0]
+        table = torch.zeros(math.prod(self.shape), dtype=torch.float64).index_add_(0, index, mass).reshape(-1, V)
+        logits = torch.log(table).clamp(min=-1000.0)
+        logits = torch.where((table > 0).any(-1, keepdim=True), logits, torch.zeros_like(logits))
+        return logits.reshape(self.shape)
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,7 @@ from lab import estimators
 from lab.configs import check_types, check_unique
 from lab.engine.estimator import Estimator
 from lab.engine.exact import REFERENCES, Problem, divergence, policy_gradient
+from lab.engine.gradients import exact_direction
 from lab.engine.staleness import KINDS, behaviour, check_value, optimisation_trajectory
 from lab.engine.variance import GRADIENT_MEMORY_BUDGET, PROVIDED_INPUTS, Sampling, measure
 from lab.errors import LabError
@@ -41,7 +42,12 @@ class Config:
     env_overrides: dict = field(default_factory=dict, metadata={"flag": "--set", "parse": "pairs"})
     """env fields to change, e.g. length=6"""
     policy: str = "prefix"
-    """prefix (any sequence distribution) | markov"""
+    """prefix (any sequence distribution) | markov | transformer"""
+    model: str = "small"
+    """transformer size (policy transformer): test | small | medium | moe | 1m"""
+    warm_start: float = 0.0
+    """start from the supervised warm start of a transformer of size ``model`` at this exact-match accuracy (0: the
+    policy's random init); a prefix policy copies that transformer's distribution"""
     staleness: str = "lag"
     """lag | kl | temperature"""
     values: list = field(default_factory=lambda: [0, 1, 2, 4, 8, 16, 32, 64], metadata={"parse": "list"})
@@ -72,6 +78,9 @@ class Config:
     """Adam steps from the initial policy to pi (the lag knob's trajectory)"""
     lr: float = 0.05
     """Adam learning rate of that trajectory"""
+    exact_directions: bool = False
+    """also the exact expected gradient of each estimator with advantage R (by enumeration): relative bias,
+    cosine and size against grad J (exact reference only)"""
     n_boot: int = 1000
     """bootstrap resamples"""
     ci: float = 0.95
@@ -88,7 +97,24 @@ class Config:
 
     def problem(self) -> Problem:
         env = self.make_env()
-        return Problem(env, make_policy(self.policy, env), self.reference, self.enum_limit, self.mc_samples)
+        return Problem(env, make_policy(self.policy, env, self.model), self.reference, self.enum_limit,
+                       self.mc_samples)
+
+    def initial(self, problem: Problem, generator: torch.Generator) -> torch.Tensor:
+        """pi's starting point: the policy's initial parameters, or the supervised warm start of a transformer of
+        size ``model`` (cached; ``lab.pretrain``). A prefix-tree policy with a warm start starts at exactly that
+        transformer's sequence distribution, so the two kinds of policy can be compared from the same pi_0."""
+        if self.warm_start <= 0:
+            return init_params(problem.policy, self.init_scale, generator)
+        from lab.pretrain import warm_start
+
+        theta = warm_start(problem.env, self.model, self.warm_start, seed=self.seed, device=self.device).double()
+        if self.policy == "transformer":
+            return theta
+        net = make_policy("transformer", problem.env, self.model)
+        support = problem.support(theta.to(self.device), policy=net)  # every pair with its probability
+        log_p = torch.log(support.weights * problem.env.n_prompts).reshape(problem.env.n_prompts, -1)
+        return problem.policy.params_for(problem.env, log_p)
 
     def resolved(self) -> list[Estimator]:
         """The estimators, resolved once (registry entry, hyper-parameters, aggregation)."""
@@ -119,6 +145,13 @@ class Config:
         if self.reference not in REFERENCES:
             raise LabError(f"unknown reference {self.reference!r}; choose exact or mc")
         problem.check()
+        if not 0 <= self.warm_start < 1:
+            raise LabError(f"warm_start is a target accuracy in [0, 1), got {self.warm_start}")
+        if self.warm_start and self.policy not in ("transformer", "prefix"):
+            raise LabError("warm_start applies to the transformer policy (or a prefix-tree copy of its distribution)")
+        if self.warm_start and self.reference != "exact" and self.policy == "prefix":
+            raise LabError("a prefix-tree policy copies the warm start's distribution by enumeration: use --reference "
+                           "exact")
         if not (math.isfinite(self.init_scale) and self.init_scale >= 0):
             raise LabError(f"init scale must be a finite non-negative number, got {self.init_scale}")
         if self.trajectory_steps < 0 or self.lr <= 0 or not math.isfinite(self.lr):
@@ -187,7 +220,7 @@ def run(cfg: Config, progress: bool | None = None) -> StudyResult:
     problem, ests = cfg.problem(), cfg.resolved()
     env = problem.env
     torch_gen = generator(cfg.seed, 0)
-    theta0 = init_params(problem.policy, cfg.init_scale, torch_gen).to(cfg.device)
+    theta0 = cfg.initial(problem, torch_gen).to(cfg.device)
     traj = optimisation_trajectory(problem, theta0, cfg.trajectory_steps, cfg.lr, torch_gen)
     theta_pi = traj.current
     support_pi = problem.support(theta_pi, generator(cfg.seed, 1))
@@ -213,6 +246,12 @@ def run(cfg: Config, progress: bool | None = None) -> StudyResult:
                                               np.random.default_rng(derive_seed(cfg.seed, 3, i)),
                                               on_estimator=lambda: bars.update(1))
         rows += [{**setting, **r} for r in measured]
+        if cfg.exact_directions and problem.reference == "exact":
+            for est in ests:
+                for m, v in (exact_direction(env, problem.policy, theta_pi, mu, support_mu, est, grad_j)
+                             or {}).items():
+                    rows.append({**setting, "estimator": est.name, "metric": m, "value": v, "lo": v, "hi": v})
+                    points[est.name][m] = v
         diag = {r["metric"]: [r["value"], r["lo"], r["hi"]] for r in measured if r["estimator"] == "-"}
         per_value.append({"staleness": float(value), **div, "ess_frac": diag["ess_frac"], "khat": diag["khat"],
                           "estimators": points, "intervals": intervals})
@@ -221,6 +260,8 @@ def run(cfg: Config, progress: bool | None = None) -> StudyResult:
         "study": "variance",
         "env": env.name,
         "policy": cfg.policy,
+        "parameters": int(np.prod(problem.policy.shape)),
+        "response_length": env.length,
         "staleness": cfg.staleness,
         "reference": cfg.reference,
         "target_grad_norm": float(grad_j.norm()),

@@ -1,0 +1,229 @@
+"""Supervised warm start of the transformer policy on a task, to a stated partial accuracy, cached per user.
+
+Training: teacher-forced cross-entropy on the correct answers, -(1/T) sum_t log pi(a_t | x, a_<t), on batches of
+problems drawn uniformly from the task's space without its held-out prompts (so the model learns the task, not
+only the env's prompts), AdamW (lr 3e-3, betas 0.9/0.99, no weight decay, 50 warm-up steps, gradient norm
+clipped to 1), float32, from the policy's random init (scale 1). Training stops at the first step where the
+ACCURACY on the env's training prompts reaches the target:
+
+    accuracy = mean_x pi(a*(x) | x),
+
+the exact probability that a response SAMPLED at temperature 1 is right (the expected exact-match reward J that
+RL starts from), computed from one teacher-forced pass, without sampling noise. The greedy (argmax) accuracy on
+the training and the held-out prompts is recorded beside it.
+
+Cache: ``$LAB_CACHE_DIR``, else ``$XDG_CACHE_HOME/offpolicy-lab``, else ``~/.cache/offpolicy-lab``, in
+``pretrain/TASK-SIZE-KEY.pt``. KEY hashes everything that changes the result: the task (kind, difficulty, prompt
+counts, seed), the model config, the target, the seed, the device type, the torch version and the source of the
+model, the tasks and this module (editing any of them starts a new checkpoint). A checkpoint is written
+atomically (a temporary file renamed into place) and reused when present; a file that cannot be read, or that
+was written for another key, is an error naming it (delete it to rebuild), never silently replaced.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+import os
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+import toy_envs
+from lab.errors import LabError
+from lab.runs import cache_dir
+from lab.policies import transformer
+from lab.policies.transformer import SIZES, TransformerPolicy, parameter_count, size_config
+from lab.progress import bar
+from lab.seeding import generator
+
+FORMAT = 1
+LR, BETAS, WARMUP, CLIP, BATCH = 3e-3, (0.9, 0.99), 50, 1.0, 128
+DEFAULT_SIZE, DEFAULT_TARGET, DEFAULT_MAX_STEPS = "small", 0.5, 5000
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    theta: torch.Tensor  # flat float32 parameters, on the CPU
+    path: Path
+    accuracy: float  # mean_x pi(a*(x) | x) on the training prompts
+    greedy_accuracy: float
+    heldout_accuracy: float  # mean_x pi(a*(x) | x) on the held-out prompts
+    heldout_greedy_accuracy: float
+    steps: int
+    seconds: float  # training time (of the run that wrote the file)
+    trained: bool  # False when read from the cache
+    config: dict
+
+
+def code_version() -> str:
+    """sha256 of the source of the model, the tasks and this module."""
+    h = hashlib.sha256()
+    for module in (transformer, toy_envs.tasks):
+        h.update(Path(module.__file__).read_bytes())
+    h.update(Path(__file__).read_bytes())
+    return h.hexdigest()
+
+
+def _check(env, size: str, target_accuracy: float, max_steps: int, device: str):
+    from lab.policies import check_device
+
+    if not isinstance(env, toy_envs.Task):
+        raise LabError(f"env {getattr(env, 'name', env)!r} is not a task with answers; warm starts need a task env "
+                       f"({', '.join(toy_envs.tasks.names())})")
+    cfg = size_config(size)
+    if not (isinstance(target_accuracy, (int, float)) and 0 < target_accuracy < 1):
+        raise LabError(f"target accuracy must lie strictly between 0 and 1, got {target_accuracy}")
+    if not isinstance(max_steps, int) or max_steps < 1:
+        raise LabError(f"max steps must be a positive integer, got {max_steps}")
+    check_device(device)
+    return cfg
+
+
+def run_config(env, size: str, target_accuracy: float, seed: int, device: str) -> dict:
+    """Everything the warm start's result depends on (hashed into the cache key)."""
+    task = {k: v for k, v in dataclasses.asdict(env).items() if k not in ("name", "description", "reward")}
+    return {"format": FORMAT, "task": task, "size": size, "model": dataclasses.asdict(size_config(size)),
+            "target_accuracy": float(target_accuracy), "seed": int(seed), "device": torch.device(device).type,
+            "torch": str(torch.__version__), "code": code_version()}
+
+
+def checkpoint_path(config: dict) -> Path:
+    key = hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()[:20]
+    t = config["task"]
+    return cache_dir() / "pretrain" / f"{t['task']}{t['difficulty']}-{config['size']}-{key}.pt"
+
+
+@torch.no_grad()
+def accuracies(policy: TransformerPolicy, theta, prompt_tokens, answers) -> tuple[float, float]:
+    """(mean_x pi(a*(x) | x), greedy exact-match rate) on prompts [N, P] with answers [N, T]."""
+    logits = policy.logits_for(theta, prompt_tokens, answers).float()
+    answers = answers.to(logits.device)
+    logp = torch.log_softmax(logits, -1).gather(-1, answers[..., None]).squeeze(-1).sum(-1)
+    greedy = (logits.argmax(-1) == answers).all(-1)  # teacher-forced argmax = greedy decoding when every one is right
+    return float(logp.exp().mean()), float(greedy.float().mean())
+
+
+def pretrain(env, size: str = DEFAULT_SIZE, target_accuracy: float = DEFAULT_TARGET, max_steps: int = DEFAULT_MAX_STEPS,
+             seed: int = 0, device: str = "cpu", progress: bool | None = None) -> Checkpoint:
+    """The warm-start checkpoint of ``size`` on task ``env``: read from the cache, or trained and cached."""
+    _check(env, size, target_accuracy, max_steps, device)
+    config = run_config(env, size, target_accuracy, seed, device)
+    path = checkpoint_path(config)
+    if path.exists():
+        return load(path, config)
+    policy = TransformerPolicy.for_env(env, size)
+    start = time.perf_counter()
+    theta, steps, acc = _train(env, policy, target_accuracy, max_steps, seed, torch.device(device), progress)
+    seconds = time.perf_counter() - start
+    heldout = accuracies(policy, theta, env.heldout_prompt_tokens, env.heldout_answers) if env.n_heldout else (
+        math.nan, math.nan)
+    record = {"format": FORMAT, "config": config, "theta": theta.detach().float().cpu().contiguous(),
+              "accuracy": acc[0], "greedy_accuracy": acc[1], "heldout_accuracy": heldout[0],
+              "heldout_greedy_accuracy": heldout[1], "steps": steps, "seconds": seconds}
+    _write(path, record)
+    return _checkpoint(record, path, trained=True)
+
+
+def warm_start(env, size: str = DEFAULT_SIZE, target_accuracy: float = DEFAULT_TARGET, max_steps: int = DEFAULT_MAX_STEPS,
+               seed: int = 0, device: str = "cpu", progress: bool | None = None) -> torch.Tensor:
+    """The warm-start parameters theta (flat, float32, CPU); see ``pretrain``."""
+    return pretrain(env, size, target_accuracy, max_steps, seed, device, progress).theta
+
+
+def _train(env, policy, target, max_steps, seed, device, progress):
+    theta = policy.init_params(1.0, generator(seed, 0), torch.float32).to(device).requires_grad_(True)
+    opt = torch.optim.AdamW([theta], lr=LR, betas=BETAS, weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / WARMUP))
+    batches = generator(seed, 1)
+    prompts, answers = env.prompt_tokens, env.answers
+    acc = accuracies(policy, theta, prompts, answers)
+    steps = 0
+    with bar(max_steps, f"pretrain {env.name} ({policy.n_params:,} parameters)", progress) as b:
+        while acc[0] < target:
+            if steps == max_steps:
+                raise LabError(f"the warm start reached accuracy {acc[0]:.3f}, not {target}, in {max_steps} steps; "
+                               f"raise --max-steps, lower --target-accuracy or choose a larger --size")
+            x, a = env.sample_problems(BATCH, batches)
+            logits = policy.logits_for(theta, x, a)
+            loss = F.cross_entropy(logits.reshape(-1, policy.vocab_size), a.to(device).reshape(-1))
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_([theta], CLIP)
+            opt.step()
+            sched.step()
+            steps += 1
+            acc = accuracies(policy, theta, prompts, answers)
+            b.update(1)
+            b.set_postfix(loss=f"{loss.item():.3f}", accuracy=f"{acc[0]:.3f}", refresh=False)
+    return theta.detach(), steps, acc
+
+
+def _write(path: Path, record: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            torch.save(record, f)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def load(path: Path, config: dict | None = None) -> Checkpoint:
+    """A cached checkpoint; ``config`` given, it must be the one it was written for."""
+    path = Path(path)
+    bad = f"cached checkpoint {path} is corrupt or was written for another configuration; delete it to rebuild"
+    try:
+        record = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception:
+        raise LabError(bad) from None
+    if not isinstance(record, dict) or record.get("format") != FORMAT or not isinstance(record.get("theta"),
+                                                                                          torch.Tensor):
+        raise LabError(bad)
+    if config is not None and record.get("config") != config:
+        raise LabError(bad)
+    stored = record["config"]
+    try:
+        n = parameter_count(size_config(stored["size"]))
+    except (LabError, KeyError, TypeError):
+        raise LabError(bad) from None
+    if record["theta"].shape != (n,) or not torch.isfinite(record["theta"]).all():
+        raise LabError(bad)
+    return _checkpoint(record, path, trained=False)
+
+
+def _checkpoint(record: dict, path: Path, trained: bool) -> Checkpoint:
+    return Checkpoint(record["theta"], path, record["accuracy"], record["greedy_accuracy"],
+                      record["heldout_accuracy"], record["heldout_greedy_accuracy"], record["steps"],
+                      record["seconds"], trained, record["config"])
+
+
+# ---- command line ----------------------------------------------------------------------------------------------------
+def add_parser(subparsers) -> None:
+    """Register ``lab pretrain``."""
+    p = subparsers.add_parser("pretrain", help="supervised warm start of a transformer on a task (cached per user)")
+    p.add_argument("--task", required=True, help=f"task env ({', '.join(toy_envs.tasks.names())})")
+    p.add_argument("--size", default=DEFAULT_SIZE, help=f"model size ({', '.join(SIZES)}; default {DEFAULT_SIZE})")
+    p.add_argument("--target-accuracy", type=float, default=DEFAULT_TARGET,
+                   help="stop when mean_x pi(answer | x) on the training prompts reaches this (default 0.5)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the init and the training batches")
+    p.add_argument("--device", default="cpu", help="cpu | cuda")
+    p.add_argument("--max-steps", type=int, default=DEFAULT_MAX_STEPS, help="give up after this many steps")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    env = toy_envs.make(args.task)
+    ck = pretrain(env, args.size, args.target_accuracy, args.max_steps, args.seed, args.device)
+    how = f"trained in {ck.steps} steps ({ck.seconds:.1f} s)" if ck.trained else "reused from the cache"
+    print(f"{ck.path}: accuracy {ck.accuracy:.3f} (target {args.target_accuracy}) on {env.n_prompts} training "
+          f"prompts, greedy {ck.greedy_accuracy:.3f}; held out {ck.heldout_accuracy:.3f}, greedy "
+          f"{ck.heldout_greedy_accuracy:.3f}; {how}")
+    return 0

@@ -1,0 +1,311 @@
+"""Synthetic tasks with verifiable rewards, written in a character-level vocabulary, as lab environments.
+
+Vocabulary (``TOKENIZER``, 13 ids): the digits "0".."9" are ids 0..9, then "+" (10), "=" (11), "," (12). Responses
+are digits only, so an env's response vocabulary is V = 10 (ids 0..9) and a response of T tokens has 10^T
+possible values; prompts use every id. Each task has a fixed prompt length P and answer length T:
+
+- ``addition`` (difficulty d, digits per operand): "47+05=" -> "052": a + b with both operands zero-padded to d
+  digits and the sum to d + 1 digits. P = 2d + 2, T = d + 1, 10^(2d) problems.
+- ``sorting`` (difficulty L, list length): "3,1,2=" -> "123": the digits in ascending order. P = 2L, T = L,
+  10^L problems.
+- ``chain`` (difficulty k, steps): "3+4+5+1=" -> "723": running sums mod 10, s_i = (a_0 + ... + a_i) mod 10 for
+  i = 1..k; each answer digit needs the one before it (multi-step). P = 2k + 2, T = k, 10^(k+1) problems.
+
+Each env holds ``n_prompts`` training prompts and ``n_heldout`` held-out prompts, disjoint, drawn without
+replacement with the env's ``seed`` (held-out first, so the held-out set does not move when ``n_prompts``
+changes): ``prompt_tokens`` [n_prompts, P], ``answers`` [n_prompts, T] and ``heldout_prompt_tokens``,
+``heldout_answers``. Prompt ids index the training set. Rewards (deterministic, verifiable):
+
+- ``target``: 1 if the response equals the answer, else 0 (exact match);
+- ``dense``: the fraction of answer positions right, (1/T) sum_t 1[y_t = a_t] (per-position partial credit).
+
+The env interface is ``toy_envs.bandits.SequenceBandit``'s (no end token: every response has T tokens).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from lab.errors import LabError
+from toy_envs.bandits import DEFAULT_ENUM_LIMIT
+
+
+class CharTokenizer:
+    """One token per character of ``chars`` (id = position)."""
+
+    def __init__(self, chars: str):
+        self.chars = chars
+        self.ids = {c: i for i, c in enumerate(chars)}
+
+    @property
+    def size(self) -> int:
+        return len(self.chars)
+
+    def encode(self, text: str) -> torch.Tensor:
+        bad = sorted(set(text) - set(self.ids))
+        if bad:
+            raise LabError(f"characters {''.join(bad)!r} are not in the vocabulary {self.chars!r}")
+        return torch.tensor([self.ids[c] for c in text], dtype=torch.long)
+
+    def decode(self, ids) -> str:
+        """A string for a 1-d sequence of ids; a list of strings for a 2-d batch."""
+        ids = torch.as_tensor(ids)
+        if ids.ndim > 1:
+            return [self.decode(row) for row in ids]
+        return "".join(self.chars[int(i)] for i in ids)
+
+
+TOKENIZER = CharTokenizer("0123456789+=,")
+PLUS, EQUALS, COMMA = (TOKENIZER.ids[c] for c in "+=,")
+TASKS = ("addition", "sorting", "chain")
+TASK_REWARDS = ("target", "dense")
+INSTRUCTIONS = {
+    "addition": "Add the two numbers; answer with the sum zero-padded to {T} digits.",
+    "sorting": "Sort the digits in ascending order; answer with the {T} sorted digits.",
+    "chain": "Answer with the running sums mod 10 after each addition ({T} digits).",
+}
+
+
+def _digits(x: torch.Tensor, n: int) -> torch.Tensor:
+    """Base-10 digits of integers x [N], most significant first: [N, n]."""
+    powers = 10 ** torch.arange(n - 1, -1, -1)
+    return x[:, None] // powers % 10
+
+
+def _interleave(digits: torch.Tensor, sep: int, end: int) -> torch.Tensor:
+    """d0 sep d1 sep ... d_{n-1} end: [N, 2n]."""
+    N, n = digits.shape
+    out = torch.full((N, 2 * n), sep, dtype=torch.long)
+    out[:, 0::2] = digits
+    out[:, -1] = end
+    return out
+
+
+@dataclass(frozen=True)
+class Task:
+    """A task env (see the module doc). ``difficulty``: digits per operand (addition), list length (sorting) or
+    steps (chain)."""
+
+    name: str
+    task: str = "addition"
+    difficulty: int = 2
+    n_prompts: int = 32
+    n_heldout: int = 64
+    reward: str = "target"
+    seed: int = 0
+    description: str = ""
+
+    eos = False
+    vocab_size = 10  # the response vocabulary: the digits
+
+    def __post_init__(self):
+        if self.task not in TASKS:
+            raise LabError(f"unknown task {self.task!r}; choose one of {', '.join(TASKS)}")
+        if self.reward not in TASK_REWARDS:
+            raise LabError(f"unknown reward {self.reward!r} for a task env; choose one of {', '.join(TASK_REWARDS)}")
+        for field in ("difficulty", "n_prompts"):
+            value = getattr(self, field)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise LabError(f"env field {field} must be a positive integer, got {value!r}")
+        if not isinstance(self.n_heldout, int) or self.n_heldout < 0:
+            raise LabError(f"env field n_heldout must be a non-negative integer, got {self.n_heldout!r}")
+        if self.difficulty > 8:
+            raise LabError(f"difficulty {self.difficulty} is too large; use at most 8")
+        if self.n_prompts + self.n_heldout > self.space:
+            raise LabError(f"task {self.task} at difficulty {self.difficulty} has {self.space:,} problems, fewer "
+                           f"than n_prompts + n_heldout = {self.n_prompts + self.n_heldout:,}")
+
+    # ---- sizes ----
+    @property
+    def length(self) -> int:
+        """T, the answer length."""
+        return {"addition": self.difficulty + 1, "sorting": self.difficulty, "chain": self.difficulty}[self.task]
+
+    @property
+    def prompt_length(self) -> int:
+        return {"addition": 2 * self.difficulty + 2, "sorting": 2 * self.difficulty,
+                "chain": 2 * self.difficulty + 2}[self.task]
+
+    @property
+    def space(self) -> int:
+        """How many distinct problems the task has."""
+        return 10 ** {"addition": 2 * self.difficulty, "sorting": self.difficulty, "chain": self.difficulty + 1}[
+            self.task]
+
+    @property
+    def tokenizer(self) -> CharTokenizer:
+        return TOKENIZER
+
+    @property
+    def instruction(self) -> str:
+        """The task in words (for models that need to be told, e.g. a pretrained LM)."""
+        return INSTRUCTIONS[self.task].format(T=self.length)
+
+    @property
+    def sequences_per_prompt(self) -> int:
+        return self.vocab_size**self.length
+
+    @property
+    def num_pairs(self) -> int:
+        return self.n_prompts * self.sequences_per_prompt
+
+    # ---- problems ----
+    def problems(self, codes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Prompt tokens [N, P] and answers [N, T] of problem numbers ``codes`` [N] in range(space)."""
+        codes = torch.as_tensor(codes, dtype=torch.long)
+        d, N = self.difficulty, codes.shape[0]
+        if self.task == "addition":
+            a, b = codes // 10**d, codes % 10**d
+            cols = [_digits(a, d), torch.full((N, 1), PLUS), _digits(b, d), torch.full((N, 1), EQUALS)]
+            return torch.cat(cols, 1), _digits(a + b, d + 1)
+        digits = _digits(codes, d if self.task == "sorting" else d + 1)
+        if self.task == "sorting":
+            return _interleave(digits, COMMA, EQUALS), digits.sort(dim=1).values
+        return _interleave(digits, PLUS, EQUALS), digits.cumsum(1)[:, 1:] % 10
+
+    def _split(self):
+        return _split(self)
+
+    @property
+    def prompt_codes(self) -> torch.Tensor:
+        return self._split()[1]
+
+    @property
+    def heldout_codes(self) -> torch.Tensor:
+        return self._split()[0]
+
+    @property
+    def prompt_tokens(self) -> torch.Tensor:
+        """The training prompts [n_prompts, P] (prompt id i is row i)."""
+        return self._split()[2]
+
+    @property
+    def answers(self) -> torch.Tensor:
+        return self._split()[3]
+
+    @property
+    def heldout_prompt_tokens(self) -> torch.Tensor:
+        """Held-out prompts [n_heldout, P], disjoint from the training prompts (for evaluation)."""
+        return self._split()[4]
+
+    @property
+    def heldout_answers(self) -> torch.Tensor:
+        return self._split()[5]
+
+    def sample_problems(self, n: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        """n problems drawn uniformly from the task's space without the held-out ones (training data for a
+        warm start): prompt tokens [n, P], answers [n, T]."""
+        held = self.heldout_codes
+        codes = torch.empty(0, dtype=torch.long)
+        while codes.shape[0] < n:  # rejection of the held-out codes; one round unless they are most of the space
+            draw = torch.randint(self.space, (2 * n,), generator=generator)
+            codes = torch.cat([codes, draw[~torch.isin(draw, held)]])
+        return self.problems(codes[:n])
+
+    # ---- the env interface ----
+    def check_enumerable(self, limit: int = DEFAULT_ENUM_LIMIT) -> None:
+        if self.num_pairs > limit:
+            raise LabError(
+                f"env {self.name!r} has {self.num_pairs:,} (prompt, response) pairs, above the enumeration limit "
+                f"{limit:,}; use Monte Carlo mode (--reference mc) or raise the limit (--enum-limit)")
+
+    def enumerate(self, limit: int = DEFAULT_ENUM_LIMIT):
+        """All (prompt, response) pairs: prompts [N], tokens [N, T] (long), mask [N, T] (float64, all ones)."""
+        self.check_enumerable(limit)
+        return _enumerate(self)
+
+    def mask_of(self, tokens: torch.Tensor) -> torch.Tensor:
+        return torch.ones(tokens.shape, dtype=torch.float64)
+
+    def expected_reward(self, prompts, tokens, mask, split: str = "train") -> torch.Tensor:
+        """The reward [N] (float64) of responses ``tokens`` [N, T] to prompt ids ``prompts`` [N] of ``split``
+        (train or heldout): exact match (target) or the fraction of positions right (dense)."""
+        answers = {"train": self.answers, "heldout": self.heldout_answers}[split]
+        right = (tokens == answers[prompts]).double() * mask.double()
+        if self.reward == "target":
+            return (right.sum(-1) == self.length).double()
+        return right.sum(-1) / self.length
+
+    def sample_reward(self, prompts, tokens, mask, generator: torch.Generator) -> torch.Tensor:
+        """The verifier's reward: deterministic, so the expected reward itself."""
+        return self.expected_reward(prompts, tokens, mask)
+
+    def decode(self, tokens) -> str | list[str]:
+        return TOKENIZER.decode(tokens)
+
+
+@functools.lru_cache(maxsize=32)
+def _split(env: Task):
+    """(held-out codes, training codes, their prompts and answers): the first n_heldout + n_prompts values of a
+    seeded random order of the space (a permutation for small spaces, else the distinct values of an i.i.d.
+    stream in order of first appearance), held-out first."""
+    rng = np.random.default_rng([env.seed, TASKS.index(env.task), env.difficulty])
+    need = env.n_heldout + env.n_prompts
+    if env.space <= 2**20:
+        codes = rng.permutation(env.space)[:need]
+    else:
+        stream = rng.integers(env.space, size=4 * need + 64)  # collisions are rare in spaces above 2^20
+        _, first = np.unique(stream, return_index=True)
+        codes = stream[np.sort(first)][:need]
+        if len(codes) < need:
+            raise LabError(f"could not draw {need:,} distinct problems from {env.space:,}; ask for fewer prompts")
+    codes = torch.as_tensor(codes, dtype=torch.long)
+    held, train = codes[:env.n_heldout], codes[env.n_heldout:]
+    return (held, train, *env.problems(train), *env.problems(held))
+
+
+@functools.lru_cache(maxsize=8)
+def _enumerate(env: Task):
+    V, T = env.vocab_size, env.length
+    grid = torch.cartesian_prod(*[torch.arange(V)] * T).reshape(-1, T) if T > 1 else torch.arange(V)[:, None]
+    prompts = torch.arange(env.n_prompts).repeat_interleave(grid.shape[0])
+    tokens = grid.repeat(env.n_prompts, 1)
+    return prompts, tokens, torch.ones(tokens.shape, dtype=torch.float64)
+
+
+def _described(t: Task) -> Task:
+    d = t.difficulty
+    words = {"addition": f"{d}-digit addition", "sorting": f"sorting {d} digits",
+             "chain": f"{d}-step running sums mod 10"}[t.task]
+    example = f"{TOKENIZER.decode(t.prompt_tokens[0])}{TOKENIZER.decode(t.answers[0])}"
+    credit = "exact match" if t.reward == "target" else "per-position partial credit"
+    return dataclasses.replace(t, description=f"{words}, e.g. {example}; {credit}; {t.n_heldout} held out")
+
+
+def _preset(name, task, difficulty, n_prompts, reward="target"):
+    return _described(Task(name, task, difficulty, n_prompts, reward=reward))
+
+
+PRESETS = {
+    p.name: p
+    for p in [
+        _preset("add2", "addition", 2, 32),
+        _preset("add2_dense", "addition", 2, 32, "dense"),
+        _preset("sort3", "sorting", 3, 32),
+        _preset("sort3_dense", "sorting", 3, 32, "dense"),
+        _preset("chain3", "chain", 3, 32),
+        _preset("chain3_dense", "chain", 3, 32, "dense"),
+        _preset("add4", "addition", 4, 128),
+        _preset("sort6", "sorting", 6, 128),
+        _preset("chain6", "chain", 6, 128),
+    ]
+}
+
+
+def names() -> list[str]:
+    return list(PRESETS)
+
+
+def make(name: str, **overrides) -> Task:
+    """A named task preset with fields overridden by keyword (``make('add2', n_prompts=64)``)."""
+    if name not in PRESETS:
+        raise LabError(f"unknown task env {name!r}; known: {', '.join(PRESETS)}")
+    fields = {f.name for f in dataclasses.fields(Task)} - {"name", "description"}
+    unknown = set(overrides) - fields
+    if unknown:
+        raise LabError(f"unknown env field(s) {', '.join(sorted(unknown))}; settable: {', '.join(sorted(fields))}")
+    return _described(dataclasses.replace(PRESETS[name], **overrides)) if overrides else PRESETS[name]
