@@ -1,17 +1,23 @@
-"""GVPO against hand-computed values, its gradient-weight form, and its optimum (Theorems 1 and 2) by enumeration."""
+"""GVPO against hand-computed values, its gradient-weight form, its optimum (Theorems 1 and 2) by enumeration, and
+what the gvpo_optimum report says."""
 import math
 
+import numpy as np
+import pandas as pd
 import pytest
 import torch
 from torch.func import grad, vmap
 
 import toy_envs
 from lab import estimators
-from lab import gvpo_optimum as go
+from lab.advantages import leave_one_out
+from lab.engine.exact import exact_support, policy_gradient
 from lab.errors import LabError
 from lab.estimators.gvpo import gvpo_weights
-from lab.exact import exact_support, policy_gradient
 from lab.policies import make_policy
+from lab.reports import gvpo_optimum as report
+from lab.reports import style
+from lab.studies import gvpo_optimum as go
 
 BETA = 0.1
 # Two groups of three responses, T = 2; row 2's second token is padding (its log-probs differ but must not count).
@@ -110,7 +116,7 @@ def test_detached_group_mean_gives_the_same_gradient():
 def test_gvpo_gradient_is_beta_times_reinforce_on_the_kl_regularised_reward():
     # w_i = r_i - mean r with r = R - beta * ell: REINFORCE with a group-mean baseline (RLOO = k/(k-1) * centred)
     ell = ((LOGP - OLD) * MASK).sum(-1)
-    adv = go.rloo(REWARDS - BETA * ell, 3)[:, None] * MASK
+    adv = leave_one_out(REWARDS - BETA * ell, 3)[:, None] * MASK
     lp = LOGP.clone().requires_grad_(True)
     loss, _ = estimators.get("reinforce")(lp, OLD, adv, MASK, loss_agg_mode="seq-mean-token-sum")
     (g_reinforce,) = torch.autograd.grad(loss, lp)
@@ -246,9 +252,8 @@ def test_expected_gradient_vanishes_at_the_optimum_and_nowhere_else(small, sampl
 
 
 def test_training_reaches_the_optimum_from_both_samplers():
-    cfg = go.OptimumConfig(methods=["gvpo"], samplers=["on_policy", "uniform"], seeds=[0], steps=500,
-                           n_boot=100)
-    result = go.run_optimum(cfg)
+    cfg = go.Config(methods=["gvpo"], samplers=["on_policy", "uniform"], seeds=[0], steps=500, n_boot=100)
+    result = go.run(cfg)
     final = result.summary["final_tv"]["gvpo"]
     assert result.summary["tv_at_start"] > 0.5  # pi_ref is far from pi*: the test is not satisfied at the start
     assert final["on_policy"]["mean"] < 0.05 and final["uniform"]["mean"] < 0.05
@@ -257,10 +262,11 @@ def test_training_reaches_the_optimum_from_both_samplers():
 
 
 def test_study_tables_and_bad_configs():
-    cfg = go.OptimumConfig(methods=["gvpo", "seq_is"], samplers=["tempered", "uniform"], seeds=[0, 1], steps=5,
-                           groups_per_step=4)
-    result = go.run_optimum(cfg)
+    cfg = go.Config(methods=["gvpo", "seq_is"], samplers=["tempered", "uniform"], seeds=[0, 1], steps=5,
+                    groups_per_step=4)
+    result = go.run(cfg)
     summary, res = result.summary, result.results
+    summary = {**summary, "headline": report.headline(summary)}  # the gallery line, from the summary alone
     assert "\n" not in summary["headline"] and "GVPO" in summary["headline"]
     for m in cfg.methods:
         for s in cfg.samplers:
@@ -277,4 +283,91 @@ def test_study_tables_and_bad_configs():
                        ({"methods": ["kl_k3"]}, "extra inputs|unknown estimator"), ({"beta": 0.0}, "beta"),
                        ({"schedule": "linear"}, "schedule")]:
         with pytest.raises(LabError, match=match):
-            go.OptimumConfig(**bad).validate()
+            go.Config(**bad).validate()
+
+
+# ---- what the gvpo_optimum report says --------------------------------------------------------------------------
+
+def _entry(mean, half=0.01):
+    return {"mean": mean, "lo": mean - half, "hi": mean + half, "per_seed": [mean - half, mean + half]}
+
+
+def report_summary(gvpo_uniform=0.02, start=0.87):
+    """A gvpo_optimum summary with known numbers: three methods, on-policy and uniform samplers, two seeds."""
+    return {"study": "gvpo_optimum", "env": "small_dense", "beta": 0.1, "steps": 60, "group_size": 4, "seeds": [0, 1],
+            "tv_at_start": start, "policy": "prefix",
+            "final_tv": {"gvpo": {"on_policy": _entry(0.01), "uniform": _entry(gvpo_uniform)},
+                         "seq_is": {"on_policy": _entry(0.012), "uniform": _entry(0.15)},
+                         "ppo_clip": {"on_policy": _entry(0.3, 0.005), "uniform": _entry(0.85)}},
+            "config": {"env": "small_dense", "env_overrides": {"n_prompts": 2}, "beta": 0.1, "steps": 60, "lr": 0.1,
+                       "schedule": "constant", "groups_per_step": 8, "group_size": 4}}
+
+
+def test_answer_and_headline_state_the_numbers():
+    text = report.answer(report_summary())
+    assert "**Setup.** `small_dense (n_prompts=2)`, a prefix-tree policy, β = 0.1" in text
+    assert "60 Adam steps (lr 0.1, constant) on 8 groups of k = 4 responses per step; 2 seeds" in text
+    assert "TV(π_ref, π\\*) = 0.87 at the start" in text
+    assert "| gvpo | **0.010 [0.000, 0.020]** | **0.020 [0.010, 0.030]** |" in text  # lowest per sampler in bold
+    assert "| ppo_clip | 0.300 [0.295, 0.305] | 0.850 [0.840, 0.860] |" in text
+    assert "**GVPO lands on π\\* whichever distribution the groups came from** (upper interval bound 0.030" in text
+    assert "From uniform samples the alternatives end at seq_is 0.150 (7.5× GVPO's), ppo_clip 0.850 (42× GVPO's)." \
+        in text
+    assert "they end at TV 0.010 to 0.300." in text  # ppo_clip's on-policy interval does not overlap the others
+    assert report.headline(report_summary()) == ("GVPO ends within TV 0.02 of π* from every sampler, with no "
+                                                 "importance weights; from uniform samples: gvpo 0.02, seq_is 0.15, "
+                                                 "ppo_clip 0.85 (60 steps, β = 0.1)")
+
+
+def test_answer_says_when_gvpo_has_not_reached_the_optimum():
+    short = report.answer(report_summary(gvpo_uniform=0.5))
+    assert "lands on" not in short
+    assert "**GVPO moves toward π\\* from every sampler but has not reached it in 60 steps**: its final TV is at " \
+           "most 0.500 (upper interval bound 0.510), down from 0.87" in short
+    worse = report.answer(report_summary(gvpo_uniform=0.9))
+    assert "**GVPO does not approach π\\* from every sampler**: its final TV reaches 0.900 against 0.87" in worse
+    assert "| seq_is | 0.012 [0.002, 0.022] | **0.150 [0.140, 0.160]** |" in short  # seq_is now lowest from uniform
+
+
+def _curves():
+    """Tidy results by hand: TV curves (3 steps) for two methods x two samplers x two seeds, and final distributions."""
+    rows = []
+    for m_i, m in enumerate(["gvpo", "seq_is"]):
+        for s_i, s in enumerate(["on_policy", "uniform"]):
+            for seed in (0, 1):
+                for step in range(3):
+                    rows.append({"method": m, "sampler": s, "seed": seed, "step": step, "metric": "tv",
+                                 "value": 0.8 / (1 + step) / (1 + m_i + s_i) + 0.01 * seed, "prompt": -1,
+                                 "response": ""})
+    opt = {"00": 0.5, "01": 0.3, "10": 0.15, "11": 0.05}
+    for method, sampler, probs in [("pi*", "-", opt), ("pi_ref", "-", dict.fromkeys(opt, 0.25)),
+                                   ("gvpo", "uniform", opt), ("seq_is", "uniform", dict.fromkeys(opt, 0.25)),
+                                   ("gvpo", "on_policy", opt), ("seq_is", "on_policy", opt)]:
+        rows += [{"method": method, "sampler": sampler, "seed": 0, "step": 2, "metric": "prob", "value": p,
+                  "prompt": 0, "response": r} for r, p in probs.items()]
+    return pd.DataFrame(rows)
+
+
+def test_figures_draw_what_the_results_hold():
+    fig = report.final_tv_figure(report_summary())
+    ax = fig.axes[0]
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["on-policy (π_θ)", "uniform (fixed)"]
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == ["gvpo", "seq_is", "ppo_clip"]
+    markers = [ln for ln in ax.get_lines() if ln.get_marker() == "o"]
+    assert [ln.get_color() for ln in markers] == [style.color(m) for m in ("gvpo", "seq_is", "ppo_clip")
+                                                  for _ in range(2)]
+    assert np.allclose([ln.get_ydata()[0] for ln in markers], [0.01, 0.02, 0.012, 0.15, 0.3, 0.85])
+    results = _curves()
+    fig = report.tv_curves_figure(results)
+    assert [ax.get_title() for ax in fig.axes] == ["on-policy (π_θ)", "uniform (fixed)"]
+    lines = fig.axes[1].get_lines()
+    assert [ln.get_label() for ln in lines] == ["gvpo", "seq_is"] and lines[1].get_color() == style.color("seq_is")
+    assert np.allclose(lines[0].get_ydata(), [0.8 / 2 / (1 + s) + 0.005 for s in range(3)])  # median of 2 seeds
+    fig = report.distribution_figure(results, prompt=0, top=3)
+    ax = fig.axes[0]
+    assert ax.get_title() == "Learned vs closed form, groups from uniform (fixed)"
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["00", "01", "10"]  # pi*'s most likely first
+    bars = [p.get_height() for p in ax.patches]
+    assert np.allclose(bars, [0.5, 0.3, 0.15, 0.25, 0.25, 0.25])  # pi* then pi_ref
+    learned = [c for c in ax.collections if c.get_label() == "seq_is (learned)"][0]
+    assert np.allclose(learned.get_offsets()[:, 1], [0.25, 0.25, 0.25])

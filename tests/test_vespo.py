@@ -1,20 +1,25 @@
-"""VESPO against values computed by hand from shared/REFERENCE.md and the authors' code, and Proposition 3.1
-checked exactly by enumeration."""
+"""VESPO against values computed by hand from the paper (Shen et al., arXiv 2602.10693) and the authors' code
+(github.com/FloyedShen/VESPO), Proposition 3.1 checked exactly by enumeration, and what the vespo_bound report says."""
+import json
 import math
 
 import numpy as np
+import pandas as pd
 import pytest
 import torch
 from scipy.optimize import minimize_scalar
 
 import toy_envs
 from lab import estimators
-from lab import vespo_bound as vb
+from lab.engine.exact import exact_support
 from lab.errors import LabError
 from lab.estimators import vespo as V
-from lab.exact import exact_support
 from lab.policies import init_params, make_policy, sample, token_log_probs
-from lab.variance import VarianceConfig, run_study
+from lab.reports import style
+from lab.reports import vespo_bound as report
+from lab.runs import write_json
+from lab.studies import variance
+from lab.studies import vespo_bound as vb
 
 # two sequences of two tokens; row 0 has A = +1 (kernel k=2, lambda=3), row 1 has A = -2 (kernel k=3, lambda=2)
 LOGP = torch.tensor([[-1.0, -2.0], [-0.5, -1.5]], dtype=torch.float64)
@@ -264,7 +269,7 @@ def test_bound_never_violated_on_random_policies():
     ratios = {kern: [] for kern in kernels}
     for env, policy, pi, mu in _random_pairs():
         support = exact_support(env, policy, mu, toy_envs.DEFAULT_ENUM_LIMIT)
-        L = vb.sequence_log_weights(policy, pi, mu, support)
+        L = vb.sequence_log_weights((policy, pi), (policy, mu), support)
         assert support.weights.sum() == pytest.approx(1.0)
         for k, lam in kernels:
             t = vb.bound_terms(L, support.weights, k, lam)
@@ -278,9 +283,9 @@ def test_bound_never_violated_on_random_policies():
 
 
 def test_bound_study_along_staleness_knobs():
-    cfg = vb.BoundConfig(lags=[0, 2, 8], kl_targets=[0.05, 1.0], temperatures=[0.5, 2.0], seeds=[0],
-                         trajectory_steps=8, kernels=[[2, 3], [3, 2], [1, 1], [0.5, 1]])
-    bound = vb.bound_study(cfg)
+    cfg = vb.Config(lags=[0, 2, 8], kl_targets=[0.05, 1.0], temperatures=[0.5, 2.0], bound_seeds=[0],
+                    trajectory_steps=8, kernels=[[2, 3], [3, 2], [1, 1], [0.5, 1]])
+    bound = vb.bound_table(cfg)
     assert len(bound) == 7 * 4
     s = vb.bound_summary(bound)
     assert s["violations"] == 0 and s["settings_checked"] == 21 and s["settings_without_bound"] == 7
@@ -291,9 +296,9 @@ def test_bound_study_along_staleness_knobs():
     assert np.allclose(bound.loc[bound["staleness_kind"] == "kl"].groupby("staleness")["kl_token"].first(),
                        [0.05, 1.0], rtol=1e-6)
     with pytest.raises(LabError, match="lag 16 exceeds"):
-        vb.bound_study(vb.BoundConfig(lags=[16], trajectory_steps=8))
+        vb.bound_table(vb.Config(lags=[16], trajectory_steps=8))
     with pytest.raises(LabError, match="lambda"):
-        vb.bound_study(vb.BoundConfig(kernels=[[2, 0]]))
+        vb.bound_table(vb.Config(kernels=[[2, 0]]))
 
 
 def test_sampled_phi_mean_estimates_the_exact_Z():
@@ -304,7 +309,7 @@ def test_sampled_phi_mean_estimates_the_exact_Z():
     pi = init_params(policy, 1.0, g)
     mu = pi + 0.8 * torch.randn(pi.shape, generator=g, dtype=torch.float64)
     support = exact_support(env, policy, mu, toy_envs.DEFAULT_ENUM_LIMIT)
-    t = vb.bound_terms(vb.sequence_log_weights(policy, pi, mu, support), support.weights, 2.0, 3.0)
+    t = vb.bound_terms(vb.sequence_log_weights((policy, pi), (policy, mu), support), support.weights, 2.0, 3.0)
     n = 20000
     prompts = torch.randint(env.n_prompts, (n,), generator=g)
     tokens, mask, logp_mu = sample(policy, mu, env, prompts, g)
@@ -320,13 +325,157 @@ def test_sampled_phi_mean_estimates_the_exact_Z():
 
 @pytest.mark.filterwarnings("ignore:Degrees of freedom:RuntimeWarning")  # the engine's NaN cosine intervals
 def test_exact_directions_match_the_engine_and_vanish_on_policy():
-    d = vb.exact_directions(lags=[0, 8], trajectory_steps=8)
+    d = vb.exact_directions(vb.Config(lags=[0, 8], trajectory_steps=8))
     on = d[d["lag"] == 0]
     assert np.allclose(on["rel_bias"], 0.0, atol=1e-12) and np.allclose(on["cos"], 1.0)
     off = d[(d["lag"] == 8)].set_index("estimator")
     assert off.loc["seq_is", "rel_bias"] < 1e-12 and off.loc["vespo", "rel_bias"] > 1e-3
-    study = run_study(VarianceConfig(values=[8], estimators=["vespo", "seq_is"], advantage="reward", replicates=2,
-                                     n_boot=10, loss_agg_mode="token-mean", trajectory_steps=8), progress=False)
-    res = study.results.set_index(["estimator", "metric"])["value"]
+    results, _ = variance.run(variance.Config(values=[8], estimators=["vespo", "seq_is"], advantage="reward",
+                                              replicates=2, n_boot=10, loss_agg_mode="token-mean", trajectory_steps=8),
+                              progress=False)
+    res = results.set_index(["estimator", "metric"])["value"]
     norm = math.sqrt(res["vespo", "mse"] / res["vespo", "rel_mse"])  # the study's target norm ‖c ∇J‖
     assert res["vespo", "exact_bias_norm"] / norm == pytest.approx(off.loc["vespo", "rel_bias"], rel=1e-6)
+
+
+# ---- what the vespo_bound report says ---------------------------------------------------------------------------
+
+def _per_kernel(k, lam, max_ratio, median_ratio):
+    K = V.bound_constant(k, lam)
+    finite = math.isfinite(K)
+    return {"k": k, "lam": lam, "K": K, "peak_w": V.argmax_bound(k, lam) if finite else None,
+            "on_policy_ratio": 1 / K if finite else None, "max_ratio": max_ratio if finite else None,
+            "median_ratio": median_ratio if finite else None, "min_ratio": 0.3 if finite else None}
+
+
+def _lag(kl, ess, verdict, vespo, seq_is, bias, cos, size):
+    """One per_lag entry: VESPO's and sequence IS's [MSE, lo, hi], VESPO's exact bias / cosine / size."""
+    return {"kl_token": kl, "ess_frac": ess, "verdict": verdict, "vespo_rel_mse": vespo, "seq_is_rel_mse": seq_is,
+            "vespo_variance": [v / 2 for v in vespo], "seq_is_variance": [v / 2 for v in seq_is],
+            "vespo_exact_bias": bias, "vespo_exact_cos": cos, "vespo_exact_size": size, "seq_is_exact_bias": 1e-16,
+            "seq_is_exact_cos": 1.0, "seq_is_exact_size": 1.0, "ppo_clip_exact_bias": bias / 2,
+            "ppo_clip_exact_cos": 0.9, "ppo_clip_exact_size": 0.5, "reinforce_exact_bias": 0.7,
+            "reinforce_exact_cos": 1.0, "reinforce_exact_size": 0.3}
+
+
+def report_summary(violations=0, last_mse=1.02, cos=0.999, size=0.0):
+    """A vespo_bound summary with known numbers: lags 0, 8, 64; VESPO lower at 8, sequence IS lower at nothing."""
+    return {
+        "max_bound_ratio": 1.0, "max_bound_ratio_off_policy": 0.93, "violations": violations, "settings_checked": 357,
+        "settings_without_bound": 51,
+        "tightest": {"kernel": "k=3, λ=2", "staleness_kind": "lag", "staleness": 0.0, "seed": 0, "ratio": 1.0},
+        "per_kernel": {"k=2, λ=3": _per_kernel(2.0, 3.0, 0.52, 0.47), "k=3, λ=2": _per_kernel(3.0, 2.0, 1.0, 0.86),
+                       "k=1, λ=1": _per_kernel(1.0, 1.0, 0.37, 0.35), "k=0.5, λ=1": _per_kernel(0.5, 1.0, 0, 0)},
+        "max_floor_mass": 0.0, "staleness_kinds": ["kl", "lag", "temperature"], "bound_seeds": 3,
+        "vespo_lower_mse_at_lags": [8.0], "seq_is_lower_mse_at_lags": [], "max_lag": 64.0,
+        "per_lag": {"0": _lag(0.0, 1.0, "equal", [1.0, 0.9, 1.1], [1.0, 0.9, 1.1], 0.0, 1.0, 1.0),
+                    "8": _lag(0.05, 0.8, "VESPO lower", [0.5, 0.4, 0.6], [3.0, 2.0, 4.0], 0.4, cos, 0.6),
+                    "64": _lag(1.15, 0.12, "unresolved", [last_mse, 0.98, 1.05], [74.0, 0.5, 300.0], 1.0, math.nan,
+                               size)},
+    }
+
+
+def test_answer_states_the_verdict_the_kernels_and_the_comparison():
+    text = report.answer(report_summary())
+    assert "**No.** E_μ[φ(W)²] ≤ Z·K·C held in all 357 exact settings" in text
+    assert "3 kernels with finite K × staleness knobs kl, lag, temperature × 3 random policies" in text
+    assert "(k=3, λ=2, lag = 0); off-policy (KL(μ‖π) > 0) it is 0.9300" in text
+    # computed from the kernels, not hard-coded: only (3, 2) peaks at w = 1; the table gives 1/K per kernel
+    assert "For k=3, λ=2 the peak is at w = 1: the bound is an equality on-policy" in text
+    assert f"| k=2, λ=3 | 2.463 | 0.333 | {3 / math.e**2:.3f} | 0.5200 | 0.470 |" in text
+    assert "| k=1, λ=1 | 2.718 | → 0 | 0.368 |" in text and "| k=0.5, λ=1 | ∞ | – | – | no bound (k < 1) | – |" in text
+    assert "VESPO lower at lags **8**; sequence IS lower at lags **none**; not resolved at lags 64" in text
+    assert "(lag 0 is on-policy: both are REINFORCE)" in text
+    assert "At lag 64 (KL(μ‖π) 1.1 nats/token, ESS 12%): VESPO 1.02 [0.98, 1.05] against sequence IS 74 [0.5, 300]" \
+        in text
+    assert "**The price is bias.** VESPO's exact expected gradient (advantage = R) misses ∇J by 0%, 40%, 100%" in text
+    assert "**Mostly a shorter step, not a wrong direction**: where the bias exceeds 5% (lags 8, 64) cos(E g, ∇J) = " \
+           "1.00, undefined and ‖E g‖ ÷ ‖∇J‖ = 0.6, 0." in text
+    assert "A size of 0 means φ(W) underflows to 0" in text
+    assert "**At lag 64 VESPO's MSE is close to 1, the MSE of a zero update**: its expected update is 0 of" in text
+    assert report.headline(report_summary()) == ("Prop. 3.1 never violated (0 of 357 exact settings; max E[φ²]/(ZKC) = "
+                                                 "1.000); lag 64: MSE÷‖∇J‖² VESPO 1.02 vs seq IS 74")
+
+
+def test_answer_follows_the_numbers(tmp_path):
+    base = report.answer(report_summary())
+    # a violated bound is reported as violated, never as held
+    bad = report.answer(report_summary(violations=3))
+    assert "**Yes, 3 times.** E_μ[φ(W)²] exceeded Z·K·C in 3 of 357 exact settings" in bad and "held in all" not in bad
+    assert report.headline(report_summary(violations=3)).startswith("Prop. 3.1 VIOLATED in 3 of 357 settings")
+    # VESPO well below a zero update's MSE: no "close to 1" sentence; a bias that turns the direction is said so
+    assert "close to 1" not in report.answer(report_summary(last_mse=0.4))
+    turned = report.answer(report_summary(cos=0.5, size=0.2))
+    assert "**Direction and step size**" in turned and "Mostly a shorter step" not in turned
+    assert "A size of 0" not in turned and turned != base
+    # summary.json stores NaN and inf as null: the text is the same from the file
+    write_json(tmp_path / "summary.json", report_summary())
+    assert report.answer(json.loads((tmp_path / "summary.json").read_text())) == base
+
+
+def _wide_bound():
+    """A bound table by hand: two kinds, three kernels (one without K), two seeds; ratios known."""
+    rows = []
+    for seed in (0, 1):
+        for kind, values in (("lag", [0.0, 4.0]), ("temperature", [0.5, 2.0])):
+            for i, v in enumerate(values):
+                for k, lam in ((2.0, 3.0), (1.0, 1.0), (0.5, 1.0)):
+                    K = V.bound_constant(k, lam)
+                    ratio = 0.2 + 0.1 * i + 0.05 * seed + 0.3 * (k == 2.0) if math.isfinite(K) else math.nan
+                    rows.append({"env": "tiny_target", "policy": "prefix", "seed": seed, "staleness_kind": kind,
+                                 "staleness": v, "k": k, "lam": lam, "kernel": vb.kernel_label(k, lam), "Z": 1.0,
+                                 "C": 1.0, "K": K, "phi2": 0.5 + i, "bound": 1.0 + 2 * i, "ratio": ratio,
+                                 "w2": 1.0 + 10 * i, "floor_mass": 0.0, "kl_token": 0.1 * i, "chi2_seq": 10.0 * i})
+    return pd.DataFrame(rows)
+
+
+def test_bound_rows_undo_the_tidy_table():
+    wide = _wide_bound()
+    other = pd.DataFrame([{"env": "tiny_target", "policy": "prefix", "seed": 0, "staleness_kind": "lag",
+                           "staleness": 0.0, "metric": "kl_token", "value": 0.0, "part": "variance", "estimator": "-",
+                           "lo": 0.0, "hi": 0.0}])
+    tidy = pd.concat([other, vb.tidy_bound(wide), other], ignore_index=True)
+    assert vb.bound_rows(tidy).equals(wide)
+
+
+def test_bound_figures_draw_the_table():
+    wide = _wide_bound()
+    fig = report.bound_figure(vb.tidy_bound(wide))
+    axes = fig.axes
+    assert [ax.get_title() for ax in axes] == ["lag", "sampling temperature of μ"]
+    assert "ratio ≤ 1 everywhere" in fig._suptitle.get_text()
+    lines = [ln for ln in axes[0].get_lines() if not ln.get_label().startswith("_")]
+    assert [ln.get_label() for ln in lines] == ["k=2, λ=3 (VESPO)", "k=1, λ=1"]  # k < 1 has no ratio: no line
+    assert lines[0].get_color() == style.color("vespo")
+    assert np.allclose(lines[0].get_ydata(), [0.525, 0.625]) and np.allclose(lines[1].get_ydata(), [0.225, 0.325])
+    wide.loc[0, "ratio"] = 1.2  # one violation: the title says so and the axis shows it
+    fig = report.bound_figure(vb.tidy_bound(wide))
+    assert "violated" in fig._suptitle.get_text() and fig.axes[0].get_ylim()[1] >= 1.2
+    fig = report.second_moment_figure(vb.tidy_bound(wide), "temperature")
+    by_label = {ln.get_label(): ln for ln in fig.axes[0].get_lines()}
+    assert np.allclose(by_label["sequence IS: E_μ[W²] = 1 + χ²"].get_ydata(), [1.0, 11.0])
+    assert np.allclose(by_label["VESPO E_μ[φ²], k=2, λ=3"].get_ydata(), [0.5, 1.5])
+    assert by_label["sequence IS: E_μ[W²] = 1 + χ²"].get_color() == style.color("seq_is")
+    fig = report.kernel_figure()
+    k_line = [ln for ln in fig.axes[0].get_lines() if ln.get_label().startswith("K·W, K = 2.46")][0]
+    x, y = k_line.get_xdata(), k_line.get_ydata()
+    assert np.allclose(y / x, V.bound_constant(2, 3))
+
+
+def test_comparison_figure_and_table_show_the_summary():
+    fig = report.comparison_figure(report_summary())
+    assert len(fig.axes) == 4
+    mse = {ln.get_label(): ln for ln in fig.axes[0].get_lines()}
+    assert np.allclose(mse["VESPO"].get_ydata(), [1.0, 0.5, 1.02]) and mse["VESPO"].get_color() == style.color("vespo")
+    assert np.allclose(mse["sequence IS"].get_ydata(), [1.0, 3.0, 74.0])
+    assert mse["sequence IS"].get_color() == style.color("seq_is")
+    bias = {ln.get_label(): ln for ln in fig.axes[2].get_lines()}
+    assert set(bias) == {"seq_is", "vespo", "ppo_clip", "reinforce"}
+    assert np.allclose(bias["vespo"].get_ydata(), [0.0, 0.4, 1.0]) and bias["ppo_clip"].get_color() == style.color(
+        "ppo_clip")
+    direction = {ln.get_label(): ln.get_ydata() for ln in fig.axes[3].get_lines()}
+    assert np.allclose(direction["vespo: ‖E g‖ ÷ ‖∇J‖"], [1.0, 0.6, 0.0])
+    shown = report.comparison_table(report_summary()).data
+    assert shown["VESPO MSE"].tolist() == ["1 [0.9, 1.1]", "0.5 [0.4, 0.6]", "1.02 [0.98, 1.05]"]
+    assert shown["verdict"].tolist() == ["equal", "VESPO lower", "unresolved"]
+    assert shown["VESPO exact bias"].tolist() == ["0%", "40%", "100%"]
