@@ -1,6 +1,7 @@
 """The on-policy distillation family: hand-computed values, exact expectations by enumeration, the variance study."""
 import math
 
+import matplotlib.colors as mcolors
 import numpy as np
 import pytest
 import torch
@@ -8,20 +9,22 @@ from torch.func import grad, vmap
 
 import toy_envs
 from lab import estimators
-from lab.distillation_variance import (
-    DistillationConfig,
+from lab.engine.estimator import Estimator
+from lab.engine.exact import exact_support
+from lab.engine.metrics import gram_metrics
+from lab.errors import LabError
+from lab.policies import init_params, make_policy, sequence_log_probs
+from lab.reports import distillation as report
+from lab.studies.distillation import Config as DistillationConfig
+from lab.studies.distillation import (
     expected_estimate,
     isometric_coordinates,
     per_token_target,
-    run_study,
     sequence_kl,
     sequence_target,
     variants,
 )
-from lab.errors import LabError
-from lab.exact import exact_support
-from lab.policies import init_params, make_policy, sequence_log_probs
-from lab.variance import gram_metrics
+from lab.studies.distillation import run as run_study
 
 NAMES = ("opd", "vopd", "vopd_topk", "kl_full", "kl_topk")
 
@@ -242,7 +245,7 @@ def test_sequence_target_matches_finite_differences(toy):
         assert float(g @ d.reshape(-1)) == pytest.approx(fd, rel=1e-6, abs=1e-9)
     # and it equals grad E_{pi_S}[sum_t KL_t] with the probabilities differentiated (the chain rule)
     theta = th_s.clone().requires_grad_(True)
-    from lab.distillation_variance import kl_per_token
+    from lab.studies.distillation import kl_per_token
 
     ls = sequence_log_probs(policy, theta, support.prompts, support.tokens, support.mask)
     kl_t = kl_per_token(policy, theta, th_t, support.prompts, support.tokens)
@@ -257,7 +260,7 @@ def test_exact_expectations_equal_the_targets(toy):
     assert (g_tok - g_seq).norm() > 0.05 * g_seq.norm()  # the targets really differ
 
     def mean(name, mode="seq-mean-token-sum", **hyper):
-        return expected_estimate(policy, th_s, th_t, support, name, hyper, mode)
+        return expected_estimate(policy, th_s, th_t, support, Estimator.resolve(name, hyper, mode))
 
     close = dict(atol=1e-10 * float(g_tok.norm()), rtol=0)
     assert torch.allclose(mean("opd"), -g_tok, **close)
@@ -281,8 +284,9 @@ def test_importance_weighted_opd_holds_the_behaviour_visitation(toy):
     support_mu = exact_support(env, policy, th_mu, 10_000)
     want = -per_token_target(policy, th_s, th_t, support_mu)
     for name in ("opd", "vopd"):
-        got = expected_estimate(policy, th_s, th_t, support_mu, name, {"importance_weights": True},
-                                "seq-mean-token-sum", theta_mu=th_mu)
+        got = expected_estimate(policy, th_s, th_t, support_mu,
+                                Estimator.resolve(name, {"importance_weights": True}, "seq-mean-token-sum"),
+                                theta_mu=th_mu)
         assert torch.allclose(got, want, atol=1e-10 * float(want.norm()), rtol=0)
     support_s = exact_support(env, policy, th_s, 10_000)
     assert (want + per_token_target(policy, th_s, th_t, support_s)).norm() > 0.01 * want.norm()  # biased off-policy
@@ -309,7 +313,9 @@ SMALL = dict(vocab_size=8, length=2, n_prompts=2, teacher_steps=5, replicates=20
 
 @pytest.fixture(scope="module")
 def small_study():
-    return run_study(DistillationConfig(**SMALL), progress=False)
+    study = run_study(DistillationConfig(**SMALL), progress=False)
+    study.summary["headline"] = report.headline(study.summary)  # the report's line, as the notebook writes it
+    return study
 
 
 def test_vopd_reduces_variance_with_an_interval_excluding_one(small_study):
@@ -364,3 +370,116 @@ def test_stale_behaviour_study_runs_with_importance_weights():
     assert res.summary["bias"]["opd"]["unbiased_for"] == []  # off-policy states: biased for both targets
     assert np.isfinite(res.results["value"]).all()
     assert len(res.summary["student_trajectory_kl"]) == 3
+
+
+# ---- what the report says and draws ----------------------------------------------------------------------------
+
+def _iv(value, lo, hi):
+    return {"value": value, "lo": lo, "hi": hi}
+
+
+def hand_summary():
+    """A distillation summary with round numbers: vOPD divides OPD's variance by 1.25 [1.15, 1.33], a top-4 baseline
+    keeps 95% of that, the top-2 KL loss is 83% biased, full KL is 10x less noisy than vOPD."""
+    unb = {"opd": ["per_token"], "opd_rtg": ["sequence"], "vopd": ["per_token"], "vopd_top2": ["per_token"],
+           "vopd_top4": ["per_token"], "kl_full": ["per_token"], "kl_top2": []}
+    rel_bias = {"opd_rtg": 0.035, "kl_top2": 0.83}
+    rel_mse = {"vopd": 0.201, "kl_full": 0.0189}
+    bias = {lab: {t: {"exact_rel_bias": 0.0 if t in u else rel_bias.get(lab, 0.034),
+                      "sampled_bias_norm": _iv(0, 0, 0.1), "rel_mse": _iv(rel_mse.get(lab, 0.25), 0.2, 0.3)}
+                  for t in ("per_token", "sequence")} for lab, u in unb.items()}
+    for lab, u in unb.items():
+        bias[lab]["unbiased_for"] = u
+    red = {"vopd": dict(_iv(1.25, 1.15, 1.33), k=None), "vopd_top2": dict(_iv(1.1, 1.02, 1.2), k=2),
+           "vopd_top4": dict(_iv(1.24, 1.14, 1.32), k=4)}
+    ks = {"vopd_top2": 2, "vopd_top4": 4, "kl_top2": 2}
+    variants = {lab: {"estimator": lab, "k": ks.get(lab), "rel_variance": _iv(0.2, 0.15, 0.25),
+                      "variance_reduction": red.get(lab)} for lab in unb}
+    variants["vopd_top2"]["kept_share"], variants["vopd_top4"]["kept_share"] = 0.45, 0.95
+    return {"env": "small_dense", "vocab_size": 8, "length": 2, "kl_seq": 0.614, "kl_token": 0.307,
+            "targets_cos": 0.9994, "targets_rel_gap": 0.034, "variance_reduction": red,
+            "variance_vs_kl_full": {"vopd": _iv(10.9, 9.54, 12.7)}, "bias": bias, "variants": variants,
+            "config": {"policy": "prefix", "teacher": "trained", "replicates": 40, "batch_size": 32,
+                       "behaviour_lag": 0, "importance_weights": False, "loss_agg_mode": "token-mean", "seed": 0}}
+
+
+def test_answer_states_the_verdicts_with_the_summary_numbers():
+    s = hand_summary()
+    text = report.answer(s)
+    assert "V = 8, T = 2" in text and "40 replicate batches of 32 responses, on-policy, `token-mean`" in text
+    assert "**vOPD beats vanilla OPD**" in text and "**1.25 [1.15, 1.33]**" in text and "with no bias" in text
+    assert "vOPD is noisier than full-vocabulary KL**: its variance is 10.9 [9.54, 12.7]×" in text
+    assert "MSE ÷ ‖target‖² 0.201 vs 0.0189" in text
+    assert "top-2: 1.10 [1.02, 1.20]× (45%); top-4: 1.24 [1.14, 1.32]× (95%)" in text
+    assert "Every k is unbiased here" in text
+    assert "Unbiased for the per-token target: OPD, vOPD, vOPD top-2, vOPD top-4, full-vocab KL." in text
+    assert "Unbiased for the sequence-level target: OPD (reward-to-go). Biased for both: top-2 KL." in text
+    assert "per-token target): top-2: 83%." in text and "differ by 3% of the sequence-level gradient" in text
+    assert report.headline(s) == ("vOPD cuts vanilla OPD's gradient variance by a factor 1.2 [1.1, 1.3] at no bias; "
+                                  "a top-4 baseline keeps 1.2x; the top-2 KL loss is 83% biased")
+
+
+def test_answer_changes_with_the_numbers():
+    s = hand_summary()
+    s["variance_reduction"]["vopd"].update(_iv(1.05, 0.95, 1.12))
+    s["variance_vs_kl_full"]["vopd"] = _iv(0.5, 0.4, 0.6)
+    text = report.answer(s)
+    assert "**vOPD is not distinguishable from vanilla OPD**" in text and "**1.05 [0.95, 1.12]**" in text
+    assert "vOPD is less noisy than full-vocabulary KL" in text
+    s["variance_reduction"]["vopd"].update(_iv(0.8, 0.7, 0.9))
+    assert "**vOPD does not beat vanilla OPD**" in report.answer(s)
+    assert report.headline(s).startswith("vOPD does not cut vanilla OPD's gradient variance: factor 0.8 [0.7, 0.9]")
+    s["variance_reduction"]["vopd"].update(_iv(1.25, 1.15, 1.33))
+    # a stale behaviour policy: vOPD and a top-k baseline miss the per-token target, and the text says so
+    s["config"]["behaviour_lag"] = 2
+    for lab in ("vopd", "vopd_top2"):
+        s["bias"][lab]["unbiased_for"] = []
+        s["bias"][lab]["per_token"]["exact_rel_bias"] = 0.12
+    text = report.answer(s)
+    assert "sampled from the student 2 steps stale" in text and "on-policy" not in text
+    assert "misses the per-token target by 12% (the batches are off-policy)" in text
+    assert "Biased for the per-token target here: vOPD, vOPD top-2." not in text  # vOPD itself is no top-k baseline
+    assert "Biased for the per-token target here: vOPD top-2." in text and "Every k is unbiased" not in text
+    assert "Biased for both: vOPD, vOPD top-2, top-2 KL." in text
+    # no top-k baseline keeps 90%: the headline names the largest k
+    s["variants"]["vopd_top4"]["kept_share"] = 0.6
+    assert "a top-4 baseline keeps" in report.headline(s)
+    s["variants"]["vopd_top2"]["kept_share"] = 0.92
+    assert "a top-2 baseline keeps 1.1x" in report.headline(s)
+
+
+def test_results_table_has_one_row_per_variant_from_the_summary():
+    s = hand_summary()
+    df = report.results_table(s).data
+    assert list(df["estimator"]) == ["OPD", "OPD (reward-to-go)", "vOPD", "vOPD top-2", "vOPD top-4", "full-vocab KL",
+                                     "top-2 KL"]
+    row = df.set_index("estimator")
+    assert row.loc["top-2 KL", "bias vs per-token (exact)"] == "83.0%"
+    assert row.loc["vOPD", "Var(OPD) ÷ Var"] == "1.25 [1.15, 1.33]" and row.loc["OPD", "Var(OPD) ÷ Var"] == "–"
+
+
+def test_figures_draw_the_study_numbers(small_study):
+    from lab.reports.style import color
+
+    r, s = small_study.results, small_study.summary
+    labs = list(s["variants"])
+    fig = report.bias_figure(r)
+    for ax, target in zip(fig.axes[:2], ("per_token", "sequence")):
+        bars = ax.patches
+        assert [t.get_text() for t in fig.axes[0].get_yticklabels()] == [report.pretty(lab) for lab in labs]
+        assert [b.get_width() for b in bars] == pytest.approx([s["bias"][lab][target]["exact_rel_bias"]
+                                                               for lab in labs])
+        assert [b.get_facecolor()[:3] for b in bars] == [pytest.approx(mcolors.to_rgb(color(lab))) for lab in labs]
+    fig = report.variance_figure(r)
+    norm2 = s["target_norms"]["per_token"] ** 2
+    assert fig.axes[0].get_xscale() == "log"
+    assert [b.get_width() for b in fig.axes[0].patches] == pytest.approx([s["variance"][lab] / norm2 for lab in labs])
+    fig = report.variance_reduction_figure(r)
+    ax, ax2 = fig.axes
+    top = next(line for line in ax.lines if line.get_label() == "vOPD top-k baseline")
+    assert list(top.get_xdata()) == [2] and list(top.get_ydata()) == [s["variance_reduction"]["vopd_top2"]["value"]]
+    full = next(line for line in ax.lines if line.get_label().startswith("vOPD, full vocabulary"))
+    assert full.get_ydata()[0] == pytest.approx(s["variance_reduction"]["vopd"]["value"])
+    assert "k = V = 8" in full.get_label()
+    assert list(ax2.lines[0].get_xdata()) == [2, 8] and ax2.lines[0].get_ydata()[-1] == 1.0
+    assert ax2.lines[0].get_ydata()[0] == pytest.approx(s["student_topk_mass"]["2"])

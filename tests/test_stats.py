@@ -161,7 +161,7 @@ def test_rate_interval_bad_input():
 def test_staleness_summarise_hand_values():
     import pandas as pd
 
-    from lab.staleness_training import summarise
+    from lab.studies.staleness_training import summarise
 
     # 2 estimators x N in {1, 4} x 4 seeds; lab.sweep.load_results' column names
     finals = {("a", 1): [0.1, 0.2, 0.3, 0.9], ("a", 4): [1.0, 1.0, 1.0, 1.0],
@@ -180,3 +180,54 @@ def test_staleness_summarise_hand_values():
     assert t[(t.estimator == "a") & (t.metric == "poi_vs_baseline_all")].value.iloc[0] == pytest.approx(0.75)
     with pytest.raises(LabError, match="baseline"):
         summarise(pd.DataFrame(rows), "minibatches", baseline="c")
+
+
+# ---- the kept libraries: the lab's vectorised code equals them on the same inputs ---------------------------------
+@pytest.mark.parametrize("k,n,ci", [(0, 10, 0.95), (3, 10, 0.95), (10, 10, 0.95), (1, 1, 0.95), (7, 40, 0.9),
+                                    (12, 13, 0.99)])
+def test_rate_interval_is_scipys_wilson_interval(k, n, ci):
+    wilson = sps.binomtest(k, n).proportion_ci(confidence_level=ci, method="wilson")
+    p, lo, hi = rate_interval(k, n, ci)
+    assert p == k / n and lo == pytest.approx(wilson.low, abs=1e-15) and hi == pytest.approx(wilson.high, abs=1e-15)
+
+
+def _counts(idx: np.ndarray, n: int) -> np.ndarray:
+    return np.stack([np.bincount(row, minlength=n) for row in idx]).astype(np.float64)
+
+
+@pytest.mark.parametrize("ci", [0.95, 0.8])
+def test_mean_interval_equals_scipy_percentile_bootstrap_on_the_same_resamples(ci):
+    from lab.stats import mean_interval
+
+    x = np.random.default_rng(4).standard_t(3, size=37)
+    n_boot = 1500
+    # scipy draws its resamples as rng.integers(0, n, (n_resamples, n)); the same draw as counts for the lab
+    counts = _counts(np.random.default_rng(9).integers(0, x.size, (n_boot, x.size)), x.size)
+    mean, lo, hi = mean_interval(x, counts, ci)
+    res = sps.bootstrap((x,), np.mean, n_resamples=n_boot, method="percentile", confidence_level=ci,
+                        vectorized=True, rng=np.random.default_rng(9))
+    assert mean == pytest.approx(x.mean(), rel=1e-15)
+    assert (lo, hi) == pytest.approx((res.confidence_interval.low, res.confidence_interval.high), rel=1e-12)
+
+
+def test_stratified_bootstrap_on_one_task_equals_scipy_percentile_bootstrap_of_the_iqm():
+    x = np.random.default_rng(6).normal(size=23)
+    point, lo, hi = stratified_bootstrap(x, n_boot=800, rng=np.random.default_rng(2))
+    res = sps.bootstrap((x,), lambda s, axis: sps.trim_mean(s, 0.25, axis=axis), n_resamples=800,
+                        method="percentile", vectorized=True, rng=np.random.default_rng(2))
+    assert point == pytest.approx(sps.trim_mean(x, 0.25), rel=1e-15)
+    assert (lo, hi) == pytest.approx((res.confidence_interval.low, res.confidence_interval.high), rel=1e-12)
+
+
+def test_psis_khat_equals_arviz_stats():
+    from arviz_stats.base import array_stats
+
+    from lab.diagnostics import psis_khat
+
+    rng = np.random.default_rng(0)
+    for n in (25, 64, 226, 1000):  # both tail rules: n / 5 below 225 draws, 3 sqrt(n) above
+        log_w = rng.standard_t(2, size=(3, n)) * rng.uniform(0.5, 3.0, size=(3, 1))
+        ours = psis_khat(log_w)
+        theirs = np.array([array_stats.psislw(-row)[1] for row in log_w])  # psislw takes -log w (log-likelihoods)
+        np.testing.assert_allclose(ours, theirs, rtol=1e-12, atol=1e-14)
+    assert np.isnan(psis_khat(rng.normal(size=(2, 24)))).all()  # fewer than 5 tail draws: NaN (arviz-stats raises)

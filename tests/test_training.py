@@ -1,4 +1,5 @@
-"""The training simulator (lab/training.py): the N = 1 identity, learning, staleness regimes, collapse, bad input."""
+"""The training simulator (lab/engine/training.py): the N = 1 identity, learning, staleness regimes, collapse, bad
+input; the staleness_training study and report built on it."""
 from __future__ import annotations
 
 import math
@@ -11,7 +12,7 @@ import toy_envs
 from lab.errors import LabError
 from lab.estimators import registry
 from lab.estimators.aggregation import agg_loss
-from lab.training import TrainConfig, collapse_flags, reward_range, train
+from lab.engine.training import TrainConfig, collapse_flags, reward_range, train
 
 FAST = dict(env="tiny_parity", rollout_batch=32, group_size=4, steps=6)  # J_0 ~ 0.47: every rollout carries signal
 RATIO_BASED = ["seq_is", "token_is", "ppo_clip", "tis_token", "tis_seq", "mis_token", "mis_seq", "vespo", "cispo",
@@ -84,7 +85,7 @@ def test_minibatch_staleness_shows_up_in_the_version_lag():
     assert sorted(set(t["lag_mean"])) == [0, 1, 2, 3, 4, 5, 6, 7]
     # mu = pi exactly on the first mini-batch of each rollout, not after it
     first = t[t["lag_mean"] == 0]
-    assert (first["ess_frac"] == 1).all() and (first["chi2_seq"].abs() < 1e-12).all()
+    assert (first["ess_frac"] == 1).all() and (first["chi2_seq_sampled"].abs() < 1e-12).all()
     stale = t[t["lag_mean"] > 0]
     assert (stale["k3_token"] > 0).all() and (stale["ess_frac"] < 1).all()
     assert run.summary["max_lag"] == 7
@@ -233,3 +234,100 @@ def test_same_seed_same_table_other_seed_differs():
     m = dict(FAST, steps=3, regime="mismatch", logprob_noise=0.1, router_flip_p=0.2, sampler_temperature=1.2)
     pd.testing.assert_frame_equal(train(TrainConfig(**m), progress=False).table,
                                   train(TrainConfig(**m), progress=False).table)
+
+
+# ------------------------------------------------------------------------------------------ staleness_training
+def hand_sweeps(sync64_vespo, sync64_ppo):
+    """{study: (steps, runs)} as lab.engine.sweep.load_results reads them: 4 seeds of ppo_clip and vespo at N = 4 and
+    64 (final J 0.5 everywhere at N = 4) and a mismatch study; two rollouts of one update each, J = 0.25 after the
+    first and the final J after the second; only the second rollout samples a reward."""
+    def sweep(setting, finals):
+        runs, steps = [], []
+        for (e, x), fs in finals.items():
+            for seed, f in enumerate(fs):
+                runs.append({"estimator": e, setting: x, "seed": seed, "env": "tiny_target", "final_reward": f,
+                             "collapsed": False})
+                steps += [{"estimator": e, setting: x, "seed": seed, "rollout": r, "update": r + 1,
+                           "expected_reward": j, "sampled_reward": s}
+                          for r, (j, s) in enumerate([(0.25, 0.0), (f, 1.0)])]
+        return pd.DataFrame(steps), pd.DataFrame(runs)
+
+    half = [0.5] * 4
+    sync = {("ppo_clip", 4): half, ("ppo_clip", 64): sync64_ppo, ("vespo", 4): half, ("vespo", 64): sync64_vespo}
+    mismatch = {("ppo_clip", 0.0): half, ("ppo_clip", 0.5): [0.0, 0.0, 0.1, 0.1], ("vespo", 0.0): half,
+                ("vespo", 0.5): [0.4, 0.4, 0.5, 0.5]}
+    return {"sync": sweep("minibatches", sync), "mismatch": sweep("logprob_noise", mismatch)}
+
+
+def hand_study(sync64_vespo, sync64_ppo):
+    from lab.studies import staleness_training as st
+
+    cfg = st.Config(estimators=["ppo_clip", "vespo"], minibatches=[4, 64], seeds=[0, 1, 2, 3], etas=[],
+                    noise_levels=[0.0, 0.5], n_boot=200)
+    return st.aggregate(cfg, hand_sweeps(sync64_vespo, sync64_ppo))
+
+
+def test_staleness_study_aggregates_the_sweeps_into_the_summary():
+    results, s = hand_study([0.0, 0.0, 0.5, 1.0], [0.5] * 4)
+    # IQM of [0, 0, 0.5, 1]: cut one each end -> 0.25
+    assert s["table"]["sync"]["vespo"]["64"]["final_reward_iqm"][0] == pytest.approx(0.25)
+    assert s["settings"]["sync"] == {"column": "minibatches", "values": [4.0, 64.0]}
+    pc = s["paper_comparison"]
+    assert (pc["n_low"], pc["n_high"]) == (4, 64) and pc["estimators"]["vespo"]["paper_high"] == pytest.approx(0.618)
+    assert pc["estimators"]["vespo"]["toy_rank"] == 2 and pc["estimators"]["ppo_clip"]["toy_rank"] == 1
+    # finals x 2 prompts: 0, 0, 1, 2 and 1, 1, 1, 1: every run ends on a whole number of solved prompts
+    assert s["outcomes"]["64"] == {"whole_share": 1.0, "seed_range": pytest.approx(0.5), "zero_reward_share": 0.5}
+    assert s["curves"]["64"]["vespo"] == {"rollout": [0, 1], "iqm": [0.25, 0.25], "q25": [0.25, 0.0],
+                                          "q75": [0.25, 0.625]}
+    assert s["setup"]["length"] == 4 and s["setup"]["n_prompts"] == 2 and s["mismatch_aware"] == ["vespo"]
+    assert set(results["study"]) == {"sync", "mismatch"} and results["x"].dtype == float
+
+
+def test_staleness_answer_reads_the_summary_and_follows_the_numbers():
+    from lab.reports import staleness_training as report
+
+    _, s = hand_study([0.0, 0.0, 0.5, 1.0], [0.5] * 4)
+    text = report.answer(s)
+    assert "`tiny_target` (4-token responses over 4 tokens, 2 prompts)" in text and "4 seeds per cell" in text
+    assert "| vespo | 0.50 [0.50, 0.50] | 0.25 [" in text
+    assert "**Highest at N = 64: ppo_clip**; its interval overlaps vespo" in text
+    assert "Order at N = 64: paper VESPO > GRPO; toy GRPO > VESPO (IQM)" in text
+    assert "VESPO paper -8.2 pts, toy -0.25" in text and "VESPO ranks 2 of 2 in the toy" in text
+    assert "**The toy does not reproduce the paper's separation**" in text
+    assert "100% of the runs at N = 64 end within 0.02 of a whole number of solved prompts (J = k/2)" in text
+    assert "4-token responses (sequence ratios multiply 4 token ratios" in text and "680 parameters" in text
+    assert "50% of the N = 64 mini-batches hold no rewarded response" in text
+    assert "only vespo can correct the mismatch here (largest IQM gap between estimators: 0.40)" in text
+    assert report.headline(s).startswith("N=64: best final reward ppo_clip 0.50 [0.50, 0.50], worst vespo 0.25")
+    # a clear VESPO lead turns the verdict around, and nothing is explained away
+    _, s = hand_study([1.0] * 4, [0.0] * 4)
+    text = report.answer(s)
+    assert "**The toy agrees**" in text and "VESPO ranks 1 of 2" in text and "suggest why" not in text
+    assert "**Highest at N = 64: vespo**, clear of every other estimator's interval." in text
+    assert "Over all N, vespo beats `ppo_clip` with a probability-of-improvement interval above 0.5" in text
+    assert report.headline(s) == "N=64: best final reward vespo 1.00 [1.00, 1.00], worst ppo_clip 0.00 [0.00, 0.00] " \
+                                 "(IQM over seeds)"
+
+
+def test_staleness_figures_draw_the_summarised_numbers():
+    import matplotlib.colors as mcolors
+
+    from lab.reports import staleness_training as report
+    from lab.reports.style import color
+
+    results, s = hand_study([0.0, 0.0, 0.5, 1.0], [0.5] * 4)
+    ax = report.final_vs_setting(results, "sync").axes[0]
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["4", "64"] and ax.get_xlabel().startswith("mini-batches")
+    for c in ax.containers:
+        e = c.get_label()
+        line = c.lines[0]
+        assert list(line.get_ydata()) == pytest.approx([s["table"]["sync"][e][x]["final_reward_iqm"][0]
+                                                        for x in ("4", "64")])
+        assert mcolors.to_hex(line.get_color()) == color(e)
+    ax = report.poi_figure(results, "sync").axes[0]
+    assert [c.get_label() for c in ax.containers] == ["vespo"] and ax.get_ylabel() == "P(final J > ppo_clip's)"
+    fig = report.reward_curves(s)
+    assert [a.get_title() for a in fig.axes] == ["N = 4", "N = 64"]
+    line = next(l for l in fig.axes[1].lines if l.get_label() == "vespo")
+    assert list(line.get_xdata()) == [1, 2] and list(line.get_ydata()) == s["curves"]["64"]["vespo"]["iqm"]
+    assert [a.get_title() for a in report.regimes(results).axes] == ["mismatch"]

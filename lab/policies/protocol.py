@@ -91,5 +91,5 @@ class Perturbed(_Wrapper):
     scale: float = 0.0
 
     def logits(self, theta, prompts, tokens):
-        return self.base.logits(theta, prompts, tokens) + self.scale * self.base.noise_logits(self.noise, prompts,
-                                                                                             tokens)
+        out = self.base.logits(theta, prompts, tokens)
+        return out + self.scale * self.base.noise_logits(self.noise, prompts, tokens).to(out.device)

@@ -6,16 +6,24 @@ styles) and renames the folder into ``<out_root>/<name>/``:
 
     <name>.ipynb  <name>.html  config.json  results.parquet  summary.json
 
-A failed execution raises ``LabError`` naming the failing cell's error and leaves nothing behind.
+Parameters are checked against the notebook's parameters cell before anything runs (``lab.reports.params``). A
+failed execution raises ``LabError`` naming the failing cell's error; nothing is left in the reports folder, and the
+partially executed notebook is kept for debugging in the per-user cache (``failed-reports/``), named in the error.
+A kill -9 leaves a hidden staging folder; the next run of the same report removes it (a lock per report name keeps
+two runs of one report apart).
 Each study's figures and answer text live beside the driver, one module per study (``lab.reports.variance``, ...),
 with the shared look in ``lab.reports.style``.
 """
 from __future__ import annotations
 
+import fcntl
 import html
 import json
 import os
 import re
+import shutil
+import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -24,12 +32,13 @@ from lab.errors import LabError
 from lab.reports import distillation as distillation_text
 from lab.reports import staleness_training as staleness_text
 from lab.reports import gvpo_optimum as gvpo_optimum_text
+from lab.reports import real_model_variance as real_model_text
 from lab.reports import variance as variance_text
 from lab.reports import vespo_bound as vespo_bound_text
-from lab.runs import RUN_FILES, atomic_dir
+from lab.reports import params as report_params
+from lab.runs import RUN_FILES, atomic_dir, cache_dir, check_writable
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-DRIVER_PARAMS = ("out_dir",)  # set by the driver, not by users
 
 
 def _summary_headline(summary: dict) -> str:
@@ -80,6 +89,20 @@ REPORTS: dict[str, Report] = {
         smoke={"estimators": ["reinforce", "ppo_clip", "vespo"], "minibatches": [1, 4], "seeds": [0, 1], "steps": 4,
                "etas": [0, 2], "noise_levels": [0.0, 0.5], "n_boot": 200},
         headline=staleness_text.headline),
+    "rollout_diagnostics": Report(
+        "notebooks/rollout_diagnostics.ipynb",
+        "Importance-weight diagnostics of a training run's own rollout log (or a simulated bf16/async run): "
+        "sampler/trainer log-ratios by token probability and length, ESS and k-hat per step, staleness, and what each "
+        "correction would clip or mask.",
+        smoke={"simulate": {"steps": 3, "batch": 32, "group_size": 8, "vocab": 32, "mean_len": 20, "lag_max": 2,
+                            "drift": 0.05, "sampler_dtype": "bfloat16", "seed": 0}}),
+    "real_model_variance": Report(
+        "notebooks/real_model_variance.ipynb",
+        "The variance study on the lab's own transformer beside a table holding the same starting distribution: "
+        "bias, variance and MSE of each correction against lag and response length, exact by enumeration.",
+        smoke={"lengths": [2], "model": "test", "values": [0, 2], "replicates": 30, "trajectory_steps": 2,
+               "estimators": ["reinforce", "seq_is", "token_is"]},
+        headline=real_model_text.headline),
 }
 
 
@@ -94,19 +117,8 @@ def _get(name: str) -> Report:
 
 
 def parameters(name: str) -> dict:
-    """The notebook's parameters cell as {name: default source text}, driver-set parameters left out."""
-    import papermill as pm
-
-    found = pm.inspect_notebook(str(REPO_ROOT / _get(name).notebook))
-    return {k: v["default"] for k, v in found.items() if k not in DRIVER_PARAMS}
-
-
-def _check_params(name: str, params: dict) -> None:
-    valid = parameters(name)
-    unknown = sorted(set(params) - set(valid))
-    if unknown:
-        raise LabError(f"unknown parameter(s) {', '.join(unknown)} for report {name!r}; "
-                       f"valid parameters: {', '.join(valid)}")
+    """The notebook's parameters as {name: Param(name, default, help)}, driver-set parameters left out."""
+    return report_params.specs(REPO_ROOT / _get(name).notebook)
 
 
 def _check_dest(dest: Path, name: str) -> None:
@@ -153,12 +165,12 @@ def run_report(name: str, params: dict | None = None, out_root: Path = Path("rep
     notebook = REPO_ROOT / report.notebook
     if not notebook.exists():
         raise LabError(f"report notebook {notebook} not found; reports run from a source checkout (pip install -e .)")
-    params = dict(params or {})
-    _check_params(name, params)
+    params = report_params.check(name, notebook, dict(params or {}))
     out_root = Path(out_root).resolve()
     dest = out_root / name
+    check_writable(dest)
     _check_dest(dest, name)
-    with atomic_dir(dest) as stage:
+    with _report_lock(out_root, name), atomic_dir(dest) as stage:
         executed = stage / f"{name}.ipynb"
         try:
             pm.execute_notebook(str(notebook), str(executed),
@@ -166,8 +178,9 @@ def run_report(name: str, params: dict | None = None, out_root: Path = Path("rep
                                 cwd=str(REPO_ROOT), progress_bar=False, log_output=False,
                                 extra_arguments=["--IPKernelApp.log_level=CRITICAL"])  # no kernel log noise
         except PapermillExecutionError as e:
-            raise LabError(f"report {name!r} failed in cell {e.exec_count}: {e.ename}: "
-                           f"{_one_line(e.evalue)}") from None
+            kept = _keep_failed(executed, name)
+            raise LabError(f"report {name!r} failed in cell {e.exec_count}: {e.ename}: {_one_line(e.evalue)} "
+                           f"(partial notebook: {kept})") from None
         except Exception as e:  # kernel missing or dead: still one line
             raise LabError(f"report {name!r} could not run: {type(e).__name__}: {_one_line(e)}") from None
         for f in RUN_FILES:
@@ -177,6 +190,49 @@ def run_report(name: str, params: dict | None = None, out_root: Path = Path("rep
         (stage / "run").rmdir()
         (stage / f"{name}.html").write_text(export_html(executed, title=f"{name} report"), encoding="utf-8")
     return dest
+
+
+@contextmanager
+def _report_lock(out_root: Path, name: str):
+    """One run of a report at a time in ``out_root``; under the lock, staging leftovers of killed runs go."""
+    made = [p for p in (out_root, *out_root.parents) if not p.exists()]
+    out_root.mkdir(parents=True, exist_ok=True)
+    lock_path = out_root / f".{name}.lock"
+    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise LabError(f"report {name!r} is being built in {out_root} by another process; wait for it") from None
+        for leftover in out_root.glob(f".{name}.*"):
+            if leftover.is_dir():
+                shutil.rmtree(leftover, ignore_errors=True)
+        yield
+    finally:
+        os.close(fd)
+        lock_path.unlink(missing_ok=True)
+        for p in made:  # folders this run created and left empty (a failed first build)
+            if p.is_dir() and not any(p.iterdir()):
+                p.rmdir()
+
+
+def _keep_failed(executed: Path, name: str) -> Path | str:
+    """Copy a partially executed notebook to the cache's failed-reports folder; its path (or why not)."""
+    try:
+        folder = cache_dir() / "failed-reports"
+        folder.mkdir(parents=True, exist_ok=True)
+        kept = folder / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}.ipynb"
+        shutil.copyfile(executed, kept)
+        return kept
+    except OSError as e:
+        return f"not kept: {e.strerror}"
+
+
+def run(name: str, out_root: Path = Path("reports"), **params) -> dict:
+    """Build report ``name`` with ``params`` into ``out_root/name``, refresh the gallery, return its summary."""
+    path = run_report(name, params, out_root)
+    write_index(out_root)
+    return json.loads((path / "summary.json").read_text())
 
 
 def run_all(out_root: Path = Path("reports")) -> list[Path]:
