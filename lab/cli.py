@@ -9,6 +9,7 @@ import argparse
 import shutil
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 from lab.errors import LabError
@@ -36,8 +37,10 @@ def cmd_estimators(args) -> int:
     for name in estimators.names():
         i = estimators.info(name)
         defaults = ", ".join(f"{k}={v}" for k, v in i.defaults.items()) or "-"
+        domains = "; ".join(f"{k}: {d.describe()}" for k, d in i.domains.items()) or "-"
         print(f"{name}  [{i.family}]  {i.description}\n    source: {i.source}\n    defaults: {defaults}\n"
-              f"    unbiased for: {i.unbiased_for}")
+              f"    allowed: {domains}\n    unbiased for: {i.unbiased_for}"
+              + (f"\n    differs from the code it cites: {i.differences}" if i.differences else ""))
     return 0
 
 
@@ -105,8 +108,18 @@ def cmd_report(args) -> int:
     if args.all:
         if args.name or args.param or args.file or args.params:
             raise LabError("give either a report name (with -p / -f) or --all, not both")
-        for path in reports.run_all(out_root=Path(args.out)):
-            print(f"wrote {path}", flush=True)
+        n, done, t0 = len(reports.names()), [0], time.perf_counter()
+
+        def say(kind, name, seconds):
+            if kind == "start":
+                print(f"building {name} ...", flush=True)
+            else:
+                done[0] += 1
+                print(f"[{done[0]}/{n}] {name}: {seconds:.0f} s", flush=True)
+
+        paths = reports.run_all(out_root=Path(args.out), workers=args.workers, on_event=say)
+        print(f"wrote {len(paths) - 1} reports and the gallery {paths[-1]} in {time.perf_counter() - t0:.0f} s",
+              flush=True)
         return 0
     if not args.name:
         raise LabError(f"name a report ({', '.join(reports.names())}) or pass --all")
@@ -116,8 +129,8 @@ def cmd_report(args) -> int:
         return 0
     given = {**(report_params.from_file(args.file) if args.file else {}), **pairs(args.param, "-p")}
     path = reports.run_report(args.name, given, out_root=Path(args.out))
-    index = reports.write_index(Path(args.out))
-    print(f"wrote {path} and refreshed {index}")
+    reports.write_index(Path(args.out))  # the gallery shows what the folder holds
+    print(f"wrote {path}")
     return 0
 
 
@@ -159,6 +172,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--params", action="store_true", help="list the report's parameters with types and defaults")
     r.add_argument("--all", action="store_true", help="build every report with its defaults and the gallery")
     r.add_argument("--out", default="reports", help="reports folder")
+    r.add_argument("--workers", type=int, default=1, help="with --all: reports built at a time (one kernel each)")
     r.set_defaults(func=cmd_report)
 
     from lab.diagnose.cli import add_parser as add_diagnose

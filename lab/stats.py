@@ -1,18 +1,34 @@
 """Interval estimates: percentile bootstrap over replicates (or seeds); rliable-style IQM, stratified bootstrap,
-probability of improvement and Wilson rate intervals."""
-from __future__ import annotations
+probability of improvement and Wilson rate intervals.
 
-import math
+Libraries where they serve, the lab's own code where speed needs it, each held equal to the library in
+tests/test_stats.py:
+
+- Wilson intervals: scipy.stats.binomtest(k, n).proportion_ci(method="wilson"), used directly.
+- Percentile bootstrap: ``bootstrap_counts`` + ``mean_interval`` / ``percentile_interval`` are the percentile
+  method of scipy.stats.bootstrap, vectorised so that every estimator and metric of a study shares one [n_boot, M]
+  resampling matrix (the Gram-matrix bootstrap of the variance engine reuses it); on the same resamples they equal
+  scipy.stats.bootstrap(method="percentile").
+- IQM and the stratified bootstrap follow rliable (Agarwal et al. 2021): ``iqm`` is scipy.stats.trim_mean(x, 0.25),
+  which is rliable.metrics.aggregate_iqm, vectorised over leading axes so one call scores all resamples. rliable
+  itself is not a dependency: rliable 1.2 pins arch < 8, arch 7 does not import with pandas 3, and arch 8 drops the
+  ``random_state`` argument rliable passes. On one task the stratified bootstrap equals
+  scipy.stats.bootstrap(method="percentile") on the same resamples.
+"""
+from __future__ import annotations
 
 import numpy as np
 
 
 def bootstrap_counts(n: int, n_boot: int, rng: np.random.Generator) -> np.ndarray:
-    """[n_boot, n] resampling counts: row b says how often each of the n items is drawn in resample b."""
+    """[n_boot, n] resampling counts: row b says how often each of the n items is drawn in resample b (shared by every
+    statistic of a study, which is why the lab keeps this instead of calling scipy.stats.bootstrap per statistic)."""
     return rng.multinomial(n, np.full(n, 1.0 / n), size=n_boot).astype(np.float64)
 
 
 def percentile_interval(samples: np.ndarray, ci: float = 0.95) -> tuple[float, float]:
+    """The (1-ci)/2 and (1+ci)/2 quantiles (linear interpolation, as scipy.stats.bootstrap's percentile method) of
+    the finite bootstrap replicates; NaN when none is finite."""
     samples = np.asarray(samples, dtype=np.float64)
     samples = samples[np.isfinite(samples)]
     if samples.size == 0:
@@ -147,17 +163,17 @@ def probability_of_improvement(x, y, n_boot: int = 2000, ci: float = 0.95, rng=N
 
 def rate_interval(k, n, ci: float = 0.95) -> tuple[float, float, float]:
     """(k / n, lo, hi): a rate (e.g. collapses in n runs) with its Wilson score interval,
-    (p + z^2/2n -+ z sqrt(p(1-p)/n + z^2/4n^2)) / (1 + z^2/n), z the normal quantile of ci.
-    Unlike the Wald interval it stays inside [0, 1] and is not degenerate at k = 0 or k = n."""
+    (p + z^2/2n -+ z sqrt(p(1-p)/n + z^2/4n^2)) / (1 + z^2/n), z the normal quantile of ci, computed by
+    scipy.stats.binomtest(k, n).proportion_ci(method="wilson"). Unlike the Wald interval it stays inside [0, 1] and
+    is not degenerate at k = 0 or k = n."""
+    from scipy.stats import binomtest
+
     from lab.errors import LabError
 
     if not (float(n).is_integer() and n >= 1):
         raise LabError(f"a rate needs a positive whole number of trials n, got {n!r}")
     if not (float(k).is_integer() and 0 <= k <= n):
         raise LabError(f"the count k must be a whole number between 0 and n = {n}, got {k!r}")
-    z = _z(ci)
-    p = k / n
-    denom = 1 + z * z / n
-    centre = (p + z * z / (2 * n)) / denom
-    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / denom
-    return float(p), max(0.0, centre - half), min(1.0, centre + half)
+    _z(ci)
+    interval = binomtest(int(k), int(n)).proportion_ci(confidence_level=ci, method="wilson")
+    return float(k / n), max(0.0, float(interval.low)), min(1.0, float(interval.high))

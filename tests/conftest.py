@@ -1,3 +1,4 @@
+import dataclasses
 import os
 
 import pytest
@@ -15,3 +16,18 @@ def tiny():
     policy = make_policy("prefix", env)
     theta = init_params(policy, 1.0, torch.Generator().manual_seed(0))
     return env, policy, theta
+
+
+@pytest.fixture(scope="session")
+def gallery(tmp_path_factory):
+    """Every report built once with its smoke parameters (two kernels at a time) plus the gallery index: the report
+    tests and the teaching-notebook tests read the same real papermill executions."""
+    from lab import reports
+
+    out = tmp_path_factory.mktemp("reports")
+    with pytest.MonkeyPatch.context() as mp:
+        for name, report in reports.REPORTS.items():
+            mp.setitem(reports.REPORTS, name, dataclasses.replace(report, params=report.smoke))
+        paths = reports.run_all(out, workers=2)
+    assert paths == [out / name for name in reports.names()] + [out / "index.html"]
+    return out

@@ -16,10 +16,11 @@ import torch
 import toy_envs
 from lab import estimators
 from lab.estimators.aggregation import AGG_MODES, target_scale
-from lab.exact import exact_support, policy_gradient
-from lab.gradients import expected_gradient
+from lab.engine.estimator import Estimator
+from lab.engine.exact import Problem, exact_support, policy_gradient
+from lab.engine.gradients import expected_gradient
 from lab.policies import init_params, make_policy
-from lab.staleness import behaviour_params, optimisation_trajectory
+from lab.engine.staleness import behaviour, optimisation_trajectory
 
 LOGP = torch.tensor([[-1.0, -2.0, -0.5], [-0.3, -1.2, -9.0]], dtype=torch.float64)
 OLD = torch.tensor([[-1.2, -1.5, -0.5], [-0.3, -2.0, -4.0]], dtype=torch.float64)
@@ -327,15 +328,15 @@ def world():
     env = toy_envs.make("tiny_target")
     policy = make_policy("prefix", env)
     g = torch.Generator().manual_seed(0)
-    traj = optimisation_trajectory(env, policy, init_params(policy, 1.0, g), 32, 0.05, "exact", LIMIT, 0, g)
+    traj = optimisation_trajectory(Problem(env, policy), init_params(policy, 1.0, g), 32, 0.05, g)
     pi = traj.current
     g_star = policy_gradient(env, policy, pi, exact_support(env, policy, pi, LIMIT)).reshape(-1)
     assert target_scale("seq-mean-token-sum", env.length) == 1.0
 
     def expected(name, lag, **hyper):
-        mu = behaviour_params("lag", lag, traj, env, policy, torch.Generator().manual_seed(1), "exact", LIMIT, 0)
-        return expected_gradient(env, policy, pi, mu, exact_support(env, policy, mu, LIMIT), name,
-                                 "seq-mean-token-sum", hyper)
+        mu = behaviour(Problem(env, policy), "lag", lag, traj, torch.Generator().manual_seed(1))
+        return expected_gradient(env, policy, pi, mu, exact_support(env, *mu, LIMIT),
+                                 Estimator.resolve(name, hyper, "seq-mean-token-sum"))
 
     return expected, g_star
 

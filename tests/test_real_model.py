@@ -68,7 +68,7 @@ def test_logit_knobs_mean_the_same_on_the_transformer(world):
 
 def test_the_table_starts_at_the_transformers_distribution(tmp_path, monkeypatch):
     monkeypatch.setenv("LAB_CACHE_DIR", str(tmp_path))
-    cfg = variance.Config(env="chain3", env_overrides={"difficulty": 2, "n_prompts": 3}, policy="prefix",
+    cfg = variance.Config(env="sort3", env_overrides={"difficulty": 2, "n_prompts": 3}, policy="prefix",
                           model="test", warm_start=0.2)
     problem = cfg.problem()
     theta_tab = cfg.initial(problem, torch.Generator())

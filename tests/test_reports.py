@@ -2,7 +2,6 @@
 headless Chromium rendering of the page."""
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import re
@@ -23,18 +22,6 @@ NAME = "estimator_variance"
 SMALL = {"replicates": 40, "values": [0, 4]}
 RUN_FILES = {"config.json", "results.parquet", "summary.json"}
 LAB = Path(sys.executable).parent / "lab"
-
-
-@pytest.fixture(scope="module")
-def gallery(tmp_path_factory) -> Path:
-    """run_all with every report at small parameters: the report folders plus index.html."""
-    out = tmp_path_factory.mktemp("reports")
-    with pytest.MonkeyPatch.context() as mp:
-        for name, report in reports.REPORTS.items():
-            mp.setitem(reports.REPORTS, name, dataclasses.replace(report, params=report.smoke))
-        paths = reports.run_all(out)
-    assert paths == [out / name for name in reports.names()] + [out / "index.html"]
-    return out
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,6 @@
-"""Estimators: pure functions of tensors in one registry. ``names()``, ``get(name)``, ``info(name)``.
+"""Estimators: pure functions of tensors in one registry. ``names()``, ``get(name)``, ``info(name)``,
+``check_hyper(name, hyper)``, ``check_inputs(name, ...)``, ``to_verl(name)`` (a policy loss for verl's registry).
+The argument order and the input contract every estimator is held to: lab.estimators.registry.
 
 Modules register on import, in this order (the order listings and reports use): REINFORCE and importance
 sampling, PPO clipping, truncated and masked IS, gated (CISPO, SAPO), sequence-ratio (GSPO, GMPO), VESPO, GVPO,
@@ -16,6 +18,8 @@ from lab.estimators import kl_penalty  # noqa: F401
 from lab.estimators import distillation  # noqa: F401
 # isort: on
 from lab.estimators.aggregation import AGG_MODES, agg_loss
-from lab.estimators.registry import EstimatorInfo, check_hyper, get, info, names, register
+from lab.estimators.export import to_verl
+from lab.estimators.registry import EstimatorInfo, check_hyper, check_inputs, get, info, names, register
 
-__all__ = ["AGG_MODES", "EstimatorInfo", "agg_loss", "check_hyper", "get", "info", "names", "register"]
+__all__ = ["AGG_MODES", "EstimatorInfo", "agg_loss", "check_hyper", "check_inputs", "get", "info", "names", "register",
+           "to_verl"]

@@ -1,8 +1,9 @@
-"""PPO / GRPO token clipping (Schulman et al. 2017; Shao et al. 2024), with verl's optional dual clip.
+"""PPO / GRPO token clipping (Schulman et al. 2017; Shao et al. 2024), with an optional dual clip.
 
 loss_t = max(-A rho_t, -A clip(rho_t, 1 - eps_low, 1 + eps_high)); eps = 0.2 (DAPO raises eps_high to 0.28).
-Dual clip (Ye et al. 2020; verl applies it to A < 0 with c = 3.0): loss_t = min(loss_t, -A c).
-The log-ratio is clamped to [-20, 20] before exponentiating, as in verl.
+Dual clip (Ye et al. 2020; verl's compute_policy_loss_vanilla applies it to A < 0, always, with c = 3.0):
+loss_t = min(loss_t, -A c); off here by default (clip_ratio_c=None), as in TRL's GRPO loss.
+The log-ratio is clamped to [-20, 20] before exponentiating, as in verl (TRL does not clamp it).
 """
 from __future__ import annotations
 
@@ -23,8 +24,15 @@ def ppo_clip_coefficient(ratio, advantage, clip_ratio_low=0.2, clip_ratio_high=0
     return torch.where(passes, ratio, torch.zeros_like(ratio))
 
 
-@register("ppo_clip", family="clipping", source="PPO (Schulman et al. 2017) / GRPO (Shao et al. 2024); verl",
-          unbiased_for="biased off-policy: token ratios, clipped gradients", coefficient=ppo_clip_coefficient)
+PPO_DOMAINS = {"clip_ratio_low": "nonnegative", "clip_ratio_high": "nonnegative", "clip_ratio_c": "> 1 or None"}
+
+
+@register("ppo_clip", family="clipping",
+          source="PPO (Schulman et al. 2017) / GRPO (Shao et al. 2024); verl compute_policy_loss_vanilla",
+          unbiased_for="biased off-policy: token ratios, clipped gradients", coefficient=ppo_clip_coefficient,
+          domains=PPO_DOMAINS,
+          differences="dual clip off by default (clip_ratio_c=None): verl's vanilla loss always applies it, with "
+                      "clip_ratio_c = 3.0 (> 1 required); TRL's GRPO loss never does")
 def ppo_clip(log_prob, old_log_prob, advantages, response_mask, loss_agg_mode="token-mean",
              clip_ratio_low=0.2, clip_ratio_high=0.2, clip_ratio_c=None):
     """PPO clip: loss_t = max(-A rho_t, -A clip(rho_t, 1-eps_low, 1+eps_high)); dual clip min(., -A c) for A < 0."""

@@ -106,7 +106,9 @@ def _check_k(k) -> None:
 @register("opd", family="distillation",
           source="Thinking Machines on-policy distillation (2025); tinker-cookbook, slime, verl use_policy_gradient",
           unbiased_for=f"on-policy: the {PER_TOKEN} (immediate reward); with return_to_go=True the {SEQUENCE}",
-          inputs=("teacher_log_prob",))
+          inputs=("teacher_log_prob",), domains={"return_to_go": "bool", "importance_weights": "bool"},
+          differences="REINFORCE with the detached reward; verl's use_policy_gradient feeds the same reward as the "
+                      "advantage of its policy loss (vanilla PPO clip by default: the same gradient on-policy)")
 def opd(log_prob, old_log_prob, advantages, response_mask, loss_agg_mode="token-mean", *, teacher_log_prob,
         return_to_go=False, importance_weights=False):
     """Vanilla OPD: loss_t = -sg[r_t] log pi_S(y_t|s_t), r_t = log pi_T(y_t|s_t) - log pi_S(y_t|s_t) (discount 0)."""
@@ -120,7 +122,7 @@ def opd(log_prob, old_log_prob, advantages, response_mask, loss_agg_mode="token-
 
 @register("vopd", family="distillation", source="vOPD (Oh et al. 2026, arXiv 2605.07865), full-vocabulary baseline",
           unbiased_for=f"on-policy: the {PER_TOKEN} (the baseline -KL_t depends on the state only)",
-          inputs=("teacher_log_prob", "logits", "teacher_logits"))
+          inputs=("teacher_log_prob", "logits", "teacher_logits"), domains={"importance_weights": "bool"})
 def vopd(log_prob, old_log_prob, advantages, response_mask, loss_agg_mode="token-mean", *, teacher_log_prob, logits,
          teacher_logits, importance_weights=False):
     """vOPD: loss_t = -sg[r_t + KL_t] log pi_S(y_t|s_t), KL_t the full-vocabulary KL(pi_S || pi_T) at s_t."""
@@ -133,7 +135,8 @@ def vopd(log_prob, old_log_prob, advantages, response_mask, loss_agg_mode="token
 
 @register("vopd_topk", family="distillation", source="vOPD release (holi-lab/vOPD), kl_top_k = 100",
           unbiased_for=f"on-policy: the {PER_TOKEN}, for any k (the top-k KL is a state-only baseline)",
-          inputs=("teacher_log_prob", "logits", "teacher_logits"))
+          inputs=("teacher_log_prob", "logits", "teacher_logits"),
+          domains={"k": "positive integer", "importance_weights": "bool"})
 def vopd_topk(log_prob, old_log_prob, advantages, response_mask, loss_agg_mode="token-mean", *, teacher_log_prob,
               logits, teacher_logits, k=100, importance_weights=False):
     """vOPD, top-k baseline: loss_t = -sg[r_t + KL^k_t] log pi_S(y_t|s_t), KL^k_t renormalised on the student's top-k."""
@@ -160,7 +163,7 @@ def kl_full(log_prob, old_log_prob, advantages, response_mask, loss_agg_mode="to
 @register("kl_topk", family="distillation", source="top-k restricted reverse KL (the vOPD release's opd_top_k)",
           unbiased_for="biased for both targets: the renormalised top-k KL ignores the student's mass outside its "
                        "top-k (exact only when k >= V)",
-          inputs=("logits", "teacher_logits"))
+          inputs=("logits", "teacher_logits"), domains={"k": "positive integer"})
 def kl_topk(log_prob, old_log_prob, advantages, response_mask, loss_agg_mode="token-mean", *, logits, teacher_logits,
             k=100):
     """Top-k KL loss: loss_t = KL over the student's top-k tokens, student and teacher renormalised there."""

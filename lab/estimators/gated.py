@@ -7,10 +7,12 @@ CISPO (MiniMax 2025, "MiniMax-M1", arXiv 2506.13585, eqs. 4-5; verl ``compute_po
     clip_ratio_low = 1.0 (lower bound 0, i.e. none) and clip_ratio_high = 4.0 (ratio cap 5.0), which is the cap
     TRL recommends (GRPOConfig epsilon_high = 5.0 for loss_type="cispo", ScaleRL's eps_max). Other shipped caps:
     tinker clip_high_threshold = 4.0; NeMo-RL ratio_clip_max = 5.0 (cap 6); verl's CISPO example
-    clip_ratio_high = 0.2 (cap 1.2). Footgun: TRL clamps the ratio at ``epsilon_high`` itself (not 1 + eps) and,
+    clip_ratio_low = 10 (no lower bound), clip_ratio_high = 0.2 (cap 1.2); verl's ActorConfig defaults, 0.2 / 0.2,
+    give [0.8, 1.2]. Footgun: TRL clamps the ratio at ``epsilon_high`` itself (not 1 + eps) and,
     when epsilon_high is unset, falls back to epsilon = 0.2: every token's coefficient is then at most 0.2, so even
     on-policy the update is 0.2 x REINFORCE. Here that is clip_ratio_high = -0.8.
-    Token log-ratios are clamped to [-20, 20] first, as verl does.
+    Token log-ratios are clamped to [-20, 20] first, as verl does (TRL does not clamp them; the coefficients differ
+    only where a token log-ratio lies below -20, by less than 3e-9).
 
 SAPO (Gao et al. 2025, "Soft Adaptive Policy Optimization", arXiv 2511.20347; verl ``compute_policy_loss_sapo``,
 TRL loss_type="sapo"): gate_t = sigmoid(tau (rho_t - 1)) * 4 / tau, tau = tau_pos = 1.0 if A > 0 else
@@ -21,8 +23,9 @@ tau_neg = 1.05 (A <= 0 gets tau_neg, as in verl); loss_t = -gate_t A with rho in
     value 1.575 for tau = 1 (rho = 1.99, 1.536 for tau = 1.05), and decays like rho e^(-tau (rho - 1)) beyond.
     This matches the reference: verl/TRL differentiate through the sigmoid gate, so the gradient is sigmoid-shaped.
     On-policy (rho = 1) the weight is exactly 1 for either tau: the gradient is exactly REINFORCE's; only the loss
-    value differs (-2A/tau per token instead of -A). verl forces seq-mean-token-mean aggregation for SAPO; here it
-    is the default and ``loss_agg_mode`` is honoured. Token log-ratios are clamped to [-20, 20] (verl).
+    value differs (-2A/tau per token instead of -A). verl's compute_policy_loss_sapo aggregates seq-mean-token-mean
+    whatever loss_agg_mode says, and TRL's loss_type="sapo" aggregates the same way; here it is the default and
+    ``loss_agg_mode`` is honoured. Token log-ratios are clamped to [-20, 20] (verl; TRL does not clamp).
 """
 from __future__ import annotations
 
@@ -52,11 +55,22 @@ def sapo_coefficient(ratio, advantage, tau_pos=1.0, tau_neg=1.05, **_):
     return torch.where(inside, coef, torch.zeros_like(coef))
 
 
+def _cispo_range(hyper: dict) -> str | None:
+    if 1 - hyper["clip_ratio_low"] > 1 + hyper["clip_ratio_high"]:
+        return (f"the clip range [1 - clip_ratio_low, 1 + clip_ratio_high] = [{1 - hyper['clip_ratio_low']:g}, "
+                f"{1 + hyper['clip_ratio_high']:g}] is empty")
+    return None
+
+
 @register("cispo", family="gated",
           source="CISPO (MiniMax-M1, arXiv 2506.13585); verl compute_policy_loss_cispo; TRL loss_type='cispo'",
           unbiased_for="biased off-policy: token ratios (no prefix weight) truncated at 1 + eps_high = 5; exactly "
                        "REINFORCE on-policy (not with TRL's 0.2 fallback cap)",
-          coefficient=cispo_coefficient)
+          coefficient=cispo_coefficient,
+          domains={"clip_ratio_low": "nonnegative", "clip_ratio_high": "> -1"}, check=_cispo_range,
+          differences="defaults (clip_ratio_low, clip_ratio_high) = (1.0, 4.0), a cap of 5, where verl's ActorConfig "
+                      "defaults (0.2, 0.2) give [0.8, 1.2]; TRL's cap is epsilon_high itself: its cispo is "
+                      "clip_ratio_low=1, clip_ratio_high=epsilon_high - 1")
 def cispo(log_prob, old_log_prob, advantages, response_mask, loss_agg_mode="token-mean", clip_ratio_low=1.0,
           clip_ratio_high=4.0):
     """CISPO: loss_t = -sg[clip(rho_t, 1-eps_low, 1+eps_high)] A log pi(y_t|s_t); no lower bound, cap 1 + 4 = 5.
@@ -75,7 +89,9 @@ def cispo(log_prob, old_log_prob, advantages, response_mask, loss_agg_mode="toke
           source="SAPO (Gao et al. 2025, arXiv 2511.20347); verl compute_policy_loss_sapo; TRL loss_type='sapo'",
           unbiased_for="biased off-policy: token ratios with a smooth gate 4 s(1-s) rho; exactly REINFORCE on-policy "
                        "(the gate's slope at rho = 1 is 1 for any tau)",
-          coefficient=sapo_coefficient)
+          coefficient=sapo_coefficient, domains={"tau_pos": "positive", "tau_neg": "positive"},
+          differences="honours loss_agg_mode; verl's compute_policy_loss_sapo always aggregates seq-mean-token-mean "
+                      "(the default here, so the two agree unless another mode is asked for)")
 def sapo(log_prob, old_log_prob, advantages, response_mask, loss_agg_mode="seq-mean-token-mean", tau_pos=1.0,
          tau_neg=1.05):
     """SAPO: loss_t = -A sigmoid(tau (rho_t - 1)) 4/tau, tau = 1.0 if A > 0 else 1.05; rho in the graph.

@@ -102,7 +102,10 @@ def gvpo_weights(rewards, seq_log_ratio, group_size: int, beta: float = DEFAULT_
           unbiased_for="beta * grad [J - beta KL(pi||pi_ref')] on-policy (beta * grad J at pi = pi_ref'); off-policy "
                        "not an estimate of grad J: its expected loss 1/2 Var_mu(beta log(pi/pi_ref') - R) is minimised "
                        "exactly at pi_ref' exp(R/beta)/Z for any mu covering pi_ref' (Theorem 2)",
-          inputs=("rewards", "group_size"), grad_scale=lambda hyper: hyper["beta"], ratio="sequence", fixed_agg=True)
+          inputs=("rewards", "group_size"), grad_scale=lambda hyper: hyper["beta"], ratio="sequence", fixed_agg=True,
+          domains={"beta": "positive"},
+          differences="the batch loss is the mean over its groups; the official recipe sums the groups of a "
+                      "micro-batch (a constant factor m/k, 4 in the authors' run script)")
 def gvpo(log_prob, old_log_prob, advantages, response_mask, loss_agg_mode="seq-mean-token-sum", beta=DEFAULT_BETA, *,
          rewards, group_size):
     """GVPO: 1/(k-1) sum_i 1/2 [(R_th,i - sg[mean R_th]) - (R_i - mean R)]^2 per group, R_th = beta log(pi/pi_old)(y).

@@ -1,8 +1,11 @@
-"""One registry, one decorator, one signature (after verl's policy-loss registry).
+"""One registry, one decorator, one signature (modelled on verl's policy-loss registry, with the lab's own order).
 
-Sampled-token estimators: ``fn(log_prob, old_log_prob, advantages, response_mask,
-loss_agg_mode="token-mean", **hyper) -> (loss, metrics)``. All tensors are [B, T]; ``log_prob`` carries the
-gradient, the others are data. Metrics are 0-dim tensors so that every estimator runs under ``torch.func.vmap``.
+Argument order. Sampled-token estimators are ``fn(log_prob, old_log_prob, advantages, response_mask,
+loss_agg_mode="token-mean", **hyper) -> (loss, metrics)``: the CURRENT policy's log-probs first, then the behaviour
+(old) policy's. verl's policy losses take ``(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode,
+config, rollout_is_weights)``, old first; ``lab.estimators.to_verl(name)`` returns a function with verl's exact
+signature. All tensors are [B, T]; ``log_prob`` carries the gradient, the others are data. Metrics are 0-dim
+tensors so that every estimator runs under ``torch.func.vmap``.
 
 Estimators that need more than that (group rewards for GVPO, full-vocabulary logits or a teacher for the
 distillation family, a reference policy for KL penalties, the sampler's log-probs in a decoupled three-policy
@@ -10,6 +13,24 @@ batch) name those extra inputs as keyword-only arguments and list them in ``inpu
 name. Known extra inputs (all [B, T] unless said): ``rewards`` [B], ``group_size`` (int), ``logits`` [B, T, V]
 (the current policy's, carrying the gradient), ``teacher_log_prob``, ``teacher_logits`` [B, T, V],
 ``ref_log_prob``, ``rollout_log_probs``.
+
+The contract (every registered function is wrapped by lab.estimators.contract.guard, so each estimator, and any
+later one, is held to it; ``check_inputs`` runs the same checks on their own):
+
+- Shapes: the [B, T] inputs above share log_prob's shape; ``advantages`` is [B, T] or [B, 1] (1-D is refused);
+  [B, T, V] inputs match; otherwise LabError.
+- Degenerate inputs: a batch with no token positions (B = 0 or T = 0) raises LabError; rows without a real token
+  contribute zero loss and zero gradient (and count as rows in the seq-mean-* modes); an all-masked batch gives
+  gradient 0 and loss 0 (GVPO's regression keeps its constant reward term).
+- Padding: values at masked positions (NaN, +-inf, 1e30, ...) are replaced by torch.where before use and change
+  neither the loss nor the gradient.
+- NaN and infinities at real positions, a positive log_prob (or teacher_log_prob) and mask values other than 0/1
+  raise LabError outside torch.func transforms; inside vmap/grad (values unreadable) a NaN or infinity at a real
+  position makes the loss and the gradient at every real position NaN. No estimator drops them silently.
+- Precision: float16/bfloat16 inputs are computed in float32 (ratios included); the loss is float32, and the
+  gradient with respect to a half-precision input is the float32 gradient rounded to its precision.
+- Hyper-parameters: each has a declared domain (``domains=``, e.g. ``{"cap": "positive"}``) and optionally a
+  cross-field ``check``; calls and ``check_hyper`` refuse values outside them with one LabError sentence.
 """
 from __future__ import annotations
 
@@ -18,12 +39,13 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from lab.errors import LabError
+from lab.estimators.contract import Domain, check_values, guard
 
 
 @dataclass(frozen=True)
 class EstimatorInfo:
     name: str
-    fn: Callable
+    fn: Callable  # the guarded function (see the module docstring)
     family: str  # on-policy | importance-sampling | clipping | ...
     source: str  # the paper or system the formula and defaults come from
     unbiased_for: str  # what its expectation equals, or "biased" with the reason
@@ -36,6 +58,9 @@ class EstimatorInfo:
     ratio: str = "token"  # its coefficient's ratio: token rho_t, sequence W = pi(y)/mu(y), geometric W^(1/|y|)
     loss_agg_mode: str = "token-mean"  # its own default aggregation (the one its source runs)
     fixed_agg: bool = False  # True: its loss defines its own aggregation and ignores loss_agg_mode (GVPO)
+    domains: dict = field(default_factory=dict)  # hyper-parameter -> Domain (allowed values)
+    check: Callable | None = None  # hyper -> None, or a sentence naming a conflict between hyper-parameters
+    differences: str = ""  # deliberate differences from the code it cites (verl, TRL, the authors'); "" if none
 
 
 _REGISTRY: dict[str, EstimatorInfo] = {}
@@ -43,9 +68,12 @@ _REGISTRY: dict[str, EstimatorInfo] = {}
 
 def register(name: str, *, family: str, source: str, unbiased_for: str, coefficient: Callable | None = None,
              inputs: tuple = (), optional_inputs: tuple = (), grad_scale: Callable | None = None,
-             ratio: str = "token", fixed_agg: bool = False):
-    """Decorator: add ``fn`` to the registry; its keyword defaults (other than the named inputs) become the
-    registry's hyper-parameter defaults."""
+             ratio: str = "token", fixed_agg: bool = False, domains: dict | None = None,
+             check: Callable | None = None, differences: str = ""):
+    """Decorator: add ``fn`` to the registry, held to the contract (see the module docstring). Its keyword defaults
+    (other than the named inputs) become the registry's hyper-parameter defaults; each needs a domain in
+    ``domains`` ("positive", "nonnegative", "finite", "> X", ">= X", "positive integer", "bool", optionally
+    followed by " or None")."""
 
     def wrap(fn):
         signature = inspect.signature(fn).parameters
@@ -53,10 +81,20 @@ def register(name: str, *, family: str, source: str, unbiased_for: str, coeffici
         agg = signature["loss_agg_mode"].default if "loss_agg_mode" in signature else "token-mean"
         skip = {"loss_agg_mode", *inputs, *optional_inputs}
         defaults = {p.name: p.default for p in params if p.default is not inspect._empty and p.name not in skip}
+        parsed = {k: Domain(v) if isinstance(v, str) else v for k, v in (domains or {}).items()}
+        missing = sorted(set(defaults) - set(parsed))
+        if missing or set(parsed) - set(defaults):
+            raise ValueError(f"register({name!r}): declare a domain for each hyper-parameter and nothing else "
+                             f"(missing: {missing}, unknown: {sorted(set(parsed) - set(defaults))})")
+        check_values(name, parsed, defaults, check)  # the defaults themselves must be admissible
         doc = (fn.__doc__ or "").strip().splitlines()
-        _REGISTRY[name] = EstimatorInfo(name, fn, family, source, unbiased_for, doc[0] if doc else "", coefficient,
-                                        defaults, tuple(inputs), tuple(optional_inputs), grad_scale, ratio, agg, fixed_agg)
-        return fn
+        guarded = guard(name, fn, tuple(inputs), tuple(optional_inputs), info)
+        _REGISTRY[name] = EstimatorInfo(
+            name=name, fn=guarded, family=family, source=source, unbiased_for=unbiased_for,
+            description=doc[0] if doc else "", coefficient=coefficient, defaults=defaults, inputs=tuple(inputs),
+            optional_inputs=tuple(optional_inputs), grad_scale=grad_scale, ratio=ratio, loss_agg_mode=agg,
+            fixed_agg=fixed_agg, domains=parsed, check=check, differences=differences)
+        return guarded
 
     return wrap
 
@@ -76,7 +114,24 @@ def get(name: str) -> Callable:
 
 
 def check_hyper(name: str, hyper: dict) -> None:
-    unknown = set(hyper) - set(info(name).defaults)
+    """LabError unless ``hyper`` names only the estimator's hyper-parameters and every value (merged with the
+    defaults) lies in its declared domain, e.g. a NaN, a negative cap, beta = 0 for GVPO or "abc"."""
+    i = info(name)
+    unknown = set(hyper) - set(i.defaults)
     if unknown:
         raise LabError(f"estimator {name!r} has no hyper-parameter(s) {', '.join(sorted(unknown))}; "
-                       f"it takes {', '.join(info(name).defaults) or 'none'}")
+                       f"it takes {', '.join(i.defaults) or 'none'}")
+    check_values(name, i.domains, {**i.defaults, **hyper}, i.check)
+
+
+def check_inputs(name: str, log_prob, old_log_prob, advantages, response_mask, **named) -> None:
+    """The contract's input checks on their own (shapes, then values: NaN, infinities, positive log-probs, mask
+    values), for callers that validate a batch once before running an estimator under torch.func transforms,
+    where the guarded call cannot read values. Call it outside transforms."""
+    from lab.estimators.contract import check_shapes, check_values_of_inputs
+
+    i = info(name)
+    keys = (*i.inputs, *i.optional_inputs)
+    named = {k: v for k, v in named.items() if k in keys and v is not None}
+    check_shapes(name, log_prob, old_log_prob, advantages, response_mask, named)
+    check_values_of_inputs(name, log_prob, old_log_prob, advantages, response_mask, named)

@@ -4,11 +4,14 @@ GSPO (Zheng et al. 2025, "Group Sequence Policy Optimization", arXiv 2507.18071;
     s_i = exp(L_i / |y_i|) = (pi(y_i)/mu(y_i))^(1/|y_i|), the geometric mean of the token ratios;
     per-token trick (GSPO-token): log s_it = log pi_t - sg[log pi_t] + sg[log s_i]  (value s_i, gradient on token t);
     loss_t = max(-A s_it, -A clip(s_it, 1 - eps_low, 1 + eps_high)), eps_low = 3e-4, eps_high = 4e-4 (GSPO paper v2
-    section 5.1, TRL's paper index, verl's GSPO example); aggregated seq-mean-token-mean, which verl forces whatever
-    loss_agg_mode says. With that aggregation the gradient is exactly the paper's sequence-level GSPO gradient
+    section 5.1, TRL's paper index, verl's GSPO example); aggregated seq-mean-token-mean by default, the paper's
+    sequence-level mean. verl's compute_policy_loss_gspo honours loss_agg_mode (its trainer passes the actor's
+    loss_agg_mode, token-mean unless set; the GSPO examples set seq-mean-token-mean), and so does this function.
+    With seq-mean-token-mean the gradient is exactly the paper's sequence-level GSPO gradient
     (1/B) sum_i s_i A_i (1/|y_i|) sum_t grad log pi(y_it) on unclipped sequences. As in verl, log s_it is clamped
     at 10 from above (a sequence whose geometric-mean ratio exceeds e^10 gets no gradient) and the token
-    log-ratios are not clamped before averaging.
+    log-ratios are not clamped before averaging. TRL (importance_sampling_level="sequence", loss_type="grpo") forms
+    the same s_i as a [B, 1] ratio, with the same value and gradient, but without the clamp at 10.
 
 GMPO (Zhao et al. 2025, "Geometric-Mean Policy Optimization", arXiv 2507.20673; reference code callsys/GMPO
 ``train_zero_math_gmpo.py``, critic_type_modify="gmpo"; verl ``compute_policy_loss_geo_mean``):
@@ -22,9 +25,12 @@ GMPO (Zhao et al. 2025, "Geometric-Mean Policy Optimization", arXiv 2507.20673; 
     aggregated with ``loss_agg_mode``: seq-mean-token-mean (the default) reproduces that mean over sequences
     exactly; the other modes weight the sequence as they weight any per-token loss. Per-token gradient (under
     seq-mean-token-sum): -A_i r_i 1[token t not clipped] grad log pi(y_it), so the coefficient is r_i on unclipped
-    tokens. Differences: the reference treats A = 0 as positive and verl uses sign(0) = 0; both give zero loss
-    and gradient. The lab clamps delta_t to [-20, 20] before clipping (verl has that clamp commented out): with
-    A < 0 the unbounded side would otherwise overflow exp.
+    tokens. verl's compute_policy_loss_geo_mean ignores loss_agg_mode (always the mean over sequences, the lab's
+    seq-mean-token-mean). Differences: the reference treats A = 0 as positive and verl uses sign(0) = 0; both give
+    zero loss and gradient. The lab clamps delta_t to [-20, 20] before clipping (verl has that clamp commented out):
+    with A < 0 the unbounded side would otherwise overflow exp. The clamp changes the loss and the gradient where a
+    token's log-ratio lies on the unclipped side beyond 20 (delta_t < -20 with A > 0, delta_t > 20 with A < 0): that
+    token gets no gradient and enters r_i as -20 (20) instead of delta_t.
 """
 from __future__ import annotations
 
@@ -73,7 +79,10 @@ def gmpo_coefficient(ratio, advantage, clip_ratio_low=0.4, clip_ratio_high=0.4, 
           unbiased_for="biased off-policy: the length-normalised ratio s = W^(1/|y|) is not an IS weight, and the "
                        "1 +/- (3e-4, 4e-4) clip removes most off-policy sequences; exactly REINFORCE on-policy under "
                        "the same aggregation",
-          coefficient=gspo_coefficient, ratio="geometric")
+          coefficient=gspo_coefficient, ratio="geometric",
+          domains={"clip_ratio_low": "nonnegative", "clip_ratio_high": "nonnegative"},
+          differences="none from verl; TRL's sequence-level ratio has no clamp of log s at 10 (they differ only for a "
+                      "geometric-mean ratio above e^10)")
 def gspo(log_prob, old_log_prob, advantages, response_mask, loss_agg_mode="seq-mean-token-mean",
          clip_ratio_low=3e-4, clip_ratio_high=4e-4):
     """GSPO: loss_t = max(-A s_it, -A clip(s_it, 1-3e-4, 1+4e-4)), s_it = s_i = exp(L_i/|y_i|) by value, grad on t.
@@ -83,7 +92,9 @@ def gspo(log_prob, old_log_prob, advantages, response_mask, loss_agg_mode="seq-m
     Source: GSPO (Zheng et al. 2025, arXiv 2507.18071, section 5.1 clip range); verl compute_policy_loss_gspo.
     """
     length = response_mask.sum(-1, keepdim=True).clamp(min=1.0)
-    log_s = (((log_prob - old_log_prob) * response_mask).sum(-1, keepdim=True) / length).detach()  # [B, 1]
+    zero = torch.zeros((), dtype=log_prob.dtype)
+    delta = torch.where(response_mask > 0, (log_prob - old_log_prob) * response_mask, zero)
+    log_s = (delta.sum(-1, keepdim=True) / length).detach()  # [B, 1]
     log_s_t = torch.clamp(log_prob - log_prob.detach() + log_s, max=GSPO_LOG_RATIO_MAX)
     s_t = torch.exp(log_s_t)
     unclipped = -advantages * s_t
@@ -100,7 +111,12 @@ def gspo(log_prob, old_log_prob, advantages, response_mask, loss_agg_mode="seq-m
                  "verl compute_policy_loss_geo_mean",
           unbiased_for="biased off-policy: geometric-mean ratio of sign-aware log-clipped token ratios (eps = 0.4) is "
                        "not an IS weight; exactly REINFORCE on-policy under the same aggregation",
-          coefficient=gmpo_coefficient)
+          coefficient=gmpo_coefficient,
+          domains={"clip_ratio_low": "nonnegative", "clip_ratio_high": "nonnegative"},
+          differences="token log-ratios clamped to [-20, 20] before the sign-aware clip (verl's geo_mean has the "
+                      "clamp commented out): loss and gradient differ where a token log-ratio lies beyond 20 on the "
+                      "unclipped side (below -20 with A > 0, above 20 with A < 0); honours loss_agg_mode, where verl "
+                      "always takes the mean over sequences (the lab's seq-mean-token-mean, its default)")
 def gmpo(log_prob, old_log_prob, advantages, response_mask, loss_agg_mode="seq-mean-token-mean",
          clip_ratio_low=0.4, clip_ratio_high=0.4):
     """GMPO: loss_i = -A_i exp(mean_t delta*_t), delta*_t = sign-aware clip of log pi - log mu to [-0.4, 0.4].

@@ -8,13 +8,15 @@ division):
     tis_seq     w   = min(W, C)                   C = 2       verl rollout_is="sequence" (bypass_pg_is preset)
     mis_token   w_t = rho_t 1[lo <= rho_t <= hi]  [0.5, 5]    IcePop (Ling team, "Every Step Evolves", Ring-1T):
                                                               alpha = 0.5, beta = 5; verl rollout_is_threshold="0.5_5.0"
-    mis_seq     w   = W 1[lo <= W <= hi]          [0.5, 2]    verl Seq-MIS preset (decoupled_seq_is_rs): seq_sum_k1
-                                                              rejection band "0.5_2.0" on top of Seq-TIS at 2
+    mis_seq     w   = W 1[lo <= W <= hi]          [0.5, 2]    verl rollout_is="sequence", rollout_is_threshold="0.5_2.0"
+                                                              (the band of verl's Seq-MIS preset decoupled_seq_is_rs)
 
-TRL's default for sampler/trainer mismatch is sequence-level masking with cap 3 and no lower bound
-(GRPOConfig vllm_importance_sampling_mode="sequence_mask", vllm_importance_sampling_cap=3.0): that is
-``mis_seq`` with lower=0, upper=3. TRL's "token_truncate" / "sequence_truncate" modes are ``tis_token`` /
-``tis_seq`` with cap=3.
+TRL (GRPOConfig, 1.16) corrects sampler/trainer mismatch with vllm_importance_sampling_mode="sequence_mask" by
+default: the sequence weight pi_old(y)/mu(y) is zeroed outside [vllm_importance_sampling_clip_min,
+vllm_importance_sampling_clip_max] = [None, 3.0] (the older vllm_importance_sampling_cap is deprecated) and
+multiplied into its per-token loss: ``mis_seq`` with lower=0, upper=3 in the three-policy form (without the dual
+clip: clip_ratio_c=None). Its "token_truncate" / "sequence_truncate" modes are ``tis_token`` / ``tis_seq`` with
+cap=3, "token_mask" is ``mis_token`` with lower=0, upper=3.
 
 How the weight is applied (both modes are what verl ships):
 
@@ -31,8 +33,10 @@ How the weight is applied (both modes are what verl ships):
   here (clip_ratio_low/high/c) are used only in this mode.
 
 Differences from verl, on purpose: MIS always zeroes the weight but keeps the token in the aggregation denominators
-(verl's IcePop threshold does the same); verl's rejection sampling (rollout_rs) instead removes rejected tokens from
-``response_mask``, which changes the token-mean denominator. verl's optional batch normalisation of the weights
+(verl's IcePop thresholds "lo_hi" do the same); verl's rejection sampling (rollout_rs, e.g. the seq_sum_k1 band
+"0.5_2.0" of its decoupled_seq_is_rs preset, which gives mis_seq's weights) instead removes rejected tokens from
+``response_mask``, which changes the token-mean denominator and, without global batch information, the number of
+rows. verl's optional batch normalisation of the weights
 (rollout_is_batch_normalize, default off) is not implemented. Log-ratios are clamped to [-20, 20] (token) and the
 summed log-weight to [-20, 20] (sequence), verl's SAFETY_BOUND.
 """
@@ -116,13 +120,29 @@ def masked_seq_coefficient(ratio, advantage=None, lower=0.5, upper=2.0, **_):
     return masked_coefficient(ratio, advantage, lower, upper)
 
 
+# ----------------------------------------------------------------------------------------------- domains
+PPO = {"clip_ratio_low": "nonnegative", "clip_ratio_high": "nonnegative", "clip_ratio_c": "> 1 or None"}
+TRUNCATED = {"cap": "positive", **PPO}
+MASKED = {"lower": "nonnegative", "upper": "positive", **PPO}
+ROLLOUT_RS = ("verl's rejection sampling (rollout_rs) and rollout_is_batch_normalize are not implemented; in the "
+              "three-policy form the lab takes the sampler's log-probs (rollout_log_probs) and computes the weight "
+              "itself, where verl passes precomputed rollout_is_weights")
+
+
+def _band(hyper: dict) -> str | None:
+    if hyper["lower"] > hyper["upper"]:
+        return f"the band is empty: lower ({hyper['lower']}) exceeds upper ({hyper['upper']})"
+    return None
+
+
 # ----------------------------------------------------------------------------------------------- estimators
 @register("tis_token", family="truncated-IS",
           source="truncated IS (Ionides 2008); Yao et al. 2025 'Your efficient RL framework secretly brings you "
                  "off-policy RL training'; verl rollout_is='token' threshold 2.0; slime TIS tis_clip 2",
           unbiased_for="biased: token ratios ignore the prefix weight (token IS) and truncation drops the mass "
                        "above C; exactly REINFORCE on-policy",
-          coefficient=truncated_coefficient, optional_inputs=("rollout_log_probs",))
+          coefficient=truncated_coefficient, optional_inputs=("rollout_log_probs",), domains=TRUNCATED,
+          differences=ROLLOUT_RS)
 def tis_token(log_prob, old_log_prob, advantages, response_mask, loss_agg_mode="token-mean", cap=2.0,
               clip_ratio_low=0.2, clip_ratio_high=0.2, clip_ratio_c=3.0, *, rollout_log_probs=None):
     """Token TIS: loss_t = -sg[min(rho_t, C)] A log pi(y_t|s_t), C = 2 (three-policy: min(pi_old/mu, C) x PPO-clip).
@@ -146,7 +166,8 @@ def tis_token(log_prob, old_log_prob, advantages, response_mask, loss_agg_mode="
                  "decoupled_seq_is presets); TRL vllm_importance_sampling_mode='sequence_truncate'",
           unbiased_for="biased downward where W > C: E_mu[min(W, C) A grad log pi] = grad J - E_mu[(W - C)+ A grad "
                        "log pi]; unbiased if W <= C surely; exactly REINFORCE on-policy",
-          coefficient=truncated_coefficient, optional_inputs=("rollout_log_probs",), ratio="sequence")
+          coefficient=truncated_coefficient, optional_inputs=("rollout_log_probs",), ratio="sequence",
+          domains=TRUNCATED, differences=ROLLOUT_RS)
 def tis_seq(log_prob, old_log_prob, advantages, response_mask, loss_agg_mode="token-mean", cap=2.0,
             clip_ratio_low=0.2, clip_ratio_high=0.2, clip_ratio_c=3.0, *, rollout_log_probs=None):
     """Sequence TIS: loss_t = -sg[min(W, C)] A log pi(y_t|s_t), W = pi(y)/mu(y), C = 2 (three-policy: W from pi_old/mu).
@@ -170,7 +191,9 @@ def tis_seq(log_prob, old_log_prob, advantages, response_mask, loss_agg_mode="to
                  "'0.5_5.0'; slime IcePop",
           unbiased_for="biased: token ratios ignore the prefix weight, and masked tokens (rho outside [lo, hi]) "
                        "contribute nothing; exactly REINFORCE on-policy",
-          coefficient=masked_coefficient, optional_inputs=("rollout_log_probs",))
+          coefficient=masked_coefficient, optional_inputs=("rollout_log_probs",), domains=MASKED, check=_band,
+          differences="masked tokens keep their place in the denominators (verl's IcePop threshold '0.5_5.0' does "
+                      "the same; its rollout_rs rejection removes them from response_mask); " + ROLLOUT_RS)
 def mis_token(log_prob, old_log_prob, advantages, response_mask, loss_agg_mode="token-mean", lower=0.5, upper=5.0,
               clip_ratio_low=0.2, clip_ratio_high=0.2, clip_ratio_c=3.0, *, rollout_log_probs=None):
     """Token MIS / IcePop: loss_t = -sg[rho_t 1[lo <= rho_t <= hi]] A log pi(y_t|s_t), [lo, hi] = [0.5, 5].
@@ -191,16 +214,21 @@ def mis_token(log_prob, old_log_prob, advantages, response_mask, loss_agg_mode="
 
 
 @register("mis_seq", family="masked-IS",
-          source="sequence masked IS: verl Seq-MIS preset (decoupled_seq_is_rs, seq_sum_k1 '0.5_2.0'); "
-                 "TRL vllm_importance_sampling_mode='sequence_mask' (lower=0, upper=3)",
+          source="sequence masked IS: verl rollout_is='sequence', rollout_is_threshold='0.5_2.0' (the band of its "
+                 "Seq-MIS preset); TRL vllm_importance_sampling_mode='sequence_mask' (lower=0, upper=3)",
           unbiased_for="biased: drops whole sequences with W outside [lo, hi]: E = grad J - E_pi[1[W not in "
                        "[lo, hi]] A grad log pi(y)]; exactly REINFORCE on-policy",
-          coefficient=masked_seq_coefficient, optional_inputs=("rollout_log_probs",), ratio="sequence")
+          coefficient=masked_seq_coefficient, optional_inputs=("rollout_log_probs",), ratio="sequence",
+          domains=MASKED, check=_band,
+          differences="masked sequences keep their place in the denominators, as verl's rollout_is_threshold "
+                      "'0.5_2.0' does; verl's Seq-MIS preset (decoupled_seq_is_rs) gives the same weights but its "
+                      "seq_sum_k1 rejection removes the sequences from response_mask; " + ROLLOUT_RS)
 def mis_seq(log_prob, old_log_prob, advantages, response_mask, loss_agg_mode="token-mean", lower=0.5, upper=2.0,
             clip_ratio_low=0.2, clip_ratio_high=0.2, clip_ratio_c=3.0, *, rollout_log_probs=None):
     """Sequence MIS: loss_t = -sg[W 1[lo <= W <= hi]] A log pi(y_t|s_t), W = pi(y)/mu(y), [lo, hi] = [0.5, 2].
 
-    Source: verl Seq-MIS (decoupled_seq_is_rs: seq_sum_k1 band "0.5_2.0"); TRL sequence_mask is lower=0, upper=3.
+    Source: verl rollout_is="sequence", rollout_is_threshold="0.5_2.0" (the band of its Seq-MIS preset
+    decoupled_seq_is_rs); TRL's default sequence_mask is lower=0, upper=3.
     """
     num, den = _behaviour(log_prob, old_log_prob, rollout_log_probs)
     raw = torch.exp(sequence_log_weight(num, den, response_mask))  # [B, 1]

@@ -195,7 +195,13 @@ def sequence_log_weight(log_prob, old_log_prob, response_mask, rollout_log_probs
           source="VESPO (Shen et al., arXiv 2602.10693); FloyedShen/VESPO recipe/vespo/code/core_algos.py",
           unbiased_for="biased: E[phi(W) A grad log pi] is Z times the gradient under the implicit proposal "
                        "Q ~ mu phi(W), not grad J (equal to REINFORCE on-policy, where W = phi = 1)",
-          coefficient=vespo_coefficient, optional_inputs=("rollout_log_probs",), ratio="sequence")
+          coefficient=vespo_coefficient, optional_inputs=("rollout_log_probs",), ratio="sequence",
+          domains={"k_pos": "nonnegative", "lambda_pos": "positive", "k_neg": "nonnegative",
+                   "lambda_neg": "positive"},
+          differences="takes the sampler's per-token log-probs (rollout_log_probs) where the reference code takes "
+                      "verl's rollout_is_weights (the same when those are untruncated per-token ratios; to_verl "
+                      "converts them); lambda <= 0 and k < 0 are refused (the reference clamps lambda at 1e-4). "
+                      "TRL's port also floors W at 1e-8 inside -lambda W (a relative difference below 3e-8)")
 def vespo(log_prob, old_log_prob, advantages, response_mask, loss_agg_mode="token-mean", k_pos=K_POS,
           lambda_pos=LAMBDA_POS, k_neg=K_NEG, lambda_neg=LAMBDA_NEG, *, rollout_log_probs=None):
     """VESPO: loss_t = -sg[phi(W)] A log pi(y_t), phi = W^k e^(lambda(1-W)), (k, lambda) = (2,3) if A >= 0 else (3,2).

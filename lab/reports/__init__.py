@@ -23,6 +23,7 @@ import os
 import re
 import shutil
 import time
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,6 +38,7 @@ from lab.reports import variance as variance_text
 from lab.reports import vespo_bound as vespo_bound_text
 from lab.reports import params as report_params
 from lab.runs import RUN_FILES, atomic_dir, cache_dir, check_writable
+from lab.teach import LESSONS
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -105,6 +107,8 @@ REPORTS: dict[str, Report] = {
         headline=real_model_text.headline),
 }
 
+REPORTS.update({lesson.name: Report(lesson.notebook, lesson.description, smoke=lesson.smoke) for lesson in LESSONS})
+
 
 def names() -> list[str]:
     return list(REPORTS)
@@ -148,12 +152,35 @@ def export_html(notebook: Path, title: str) -> str:
     import nbformat
     from nbconvert import HTMLExporter
 
+    from bs4 import BeautifulSoup
+
     nb = nbformat.read(str(notebook), as_version=4)
     exporter = HTMLExporter(template_name="lab", exclude_input=True, exclude_input_prompt=True,
                             exclude_output_prompt=True)
+    exporter.log.setLevel("ERROR")  # it warns about missing alt text, which is added below
     body, _ = exporter.from_notebook_node(nb, resources={"metadata": {"name": title}})
     body = _REMOTE_LINKS.sub("", _SCRIPTS.sub("", body))  # a report is static: tables, text, PNGs
-    return body.replace("</head>", _CSS + "</head>", 1)
+    soup = BeautifulSoup(body, features="html.parser")
+    images = [img for img in soup.select("img") if img.get("src", "").startswith("data:image/png")]
+    for img, alt in zip(images, figure_alts(nb)):
+        if alt and (not img.get("alt") or img["alt"].startswith("No description")):
+            img["alt"] = alt
+    return str(soup).replace("</head>", _CSS + "</head>", 1)
+
+
+def figure_alts(nb) -> list[str]:
+    """One alt text per PNG output, in order: the line starting "*Figure:" of the nearest Markdown cell above it,
+    else that cell's first sentence (the notebooks describe each figure just before drawing it)."""
+    alts, text = [], ""
+    for cell in nb.cells:
+        if cell.cell_type == "markdown":
+            src = cell.source.strip()
+            marked = [line.strip("* ") for line in src.splitlines() if line.lstrip("*").startswith("Figure:")]
+            text = marked[0] if marked else re.split(r"(?<=[.!?])\s", re.sub(r"[#*`]", "", src).strip(), 1)[0]
+        for out in cell.get("outputs", []):
+            if "image/png" in out.get("data", {}):
+                alts.append(text)
+    return alts
 
 
 def run_report(name: str, params: dict | None = None, out_root: Path = Path("reports")) -> Path:
@@ -186,7 +213,8 @@ def run_report(name: str, params: dict | None = None, out_root: Path = Path("rep
         for f in RUN_FILES:
             if not (stage / "run" / f).exists():
                 raise LabError(f"report {name!r} did not write its run folder ({f} missing)")
-            os.replace(stage / "run" / f, stage / f)
+        for f in (stage / "run").iterdir():  # the run files, and whatever else the report keeps (logs, tables)
+            os.replace(f, stage / f.name)
         (stage / "run").rmdir()
         (stage / f"{name}.html").write_text(export_html(executed, title=f"{name} report"), encoding="utf-8")
     return dest
@@ -235,9 +263,20 @@ def run(name: str, out_root: Path = Path("reports"), **params) -> dict:
     return json.loads((path / "summary.json").read_text())
 
 
-def run_all(out_root: Path = Path("reports")) -> list[Path]:
-    """Build every report with its default parameters, then the gallery ``out_root/index.html``."""
-    paths = [run_report(name, REPORTS[name].params, out_root) for name in names()]
+def run_all(out_root: Path = Path("reports"), workers: int = 1, on_event=None) -> list[Path]:
+    """Build every report with its default parameters (``workers`` notebooks at a time), then the gallery
+    ``out_root/index.html``. ``on_event(kind, name, seconds)`` hears "start" and "done" for each report."""
+    def build(name: str) -> Path:
+        if on_event:
+            on_event("start", name, 0.0)
+        t0 = time.perf_counter()
+        path = run_report(name, REPORTS[name].params, out_root)
+        if on_event:
+            on_event("done", name, time.perf_counter() - t0)
+        return path
+
+    with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:  # each report runs in its own kernel process
+        paths = list(pool.map(build, names()))
     return [*paths, write_index(out_root)]
 
 

@@ -173,7 +173,7 @@ def bias_figure(results: pd.DataFrame) -> Figure:
     """Relative bias ‖E g − target‖ ÷ ‖target‖ of every variant against both targets: exact (bars) and sampled
     (debiased estimate with its 95% interval)."""
     labs = labels(results)
-    fig = Figure(figsize=(12, 3.9), dpi=100, layout="constrained")
+    fig = Figure(figsize=(12, 3.9), layout="constrained")
     axes = fig.subplots(1, 2, sharey=True)
     titles = ("per-token target (states held fixed)", "sequence-level target  ∇ KL(π_S(y) ‖ π_T(y))")
     for ax, target, title in zip(axes, TARGETS, titles):
@@ -206,7 +206,7 @@ def _bias_panel(ax, results: pd.DataFrame, labs: list[str], target: str) -> None
 def variance_figure(results: pd.DataFrame) -> Figure:
     """Variance tr Cov(g) of one batch's gradient and MSE against the per-token target, in units of ‖g_tok‖²."""
     labs = labels(results)
-    fig = Figure(figsize=(12, 3.9), dpi=100, layout="constrained")
+    fig = Figure(figsize=(12, 3.9), layout="constrained")
     axes = fig.subplots(1, 2, sharey=True)
     norm2 = _val(results, "-", "target_norm", "per_token") ** 2
     panels = [("variance", "-", "variance  tr Cov(g) ÷ ‖g_tok‖²"),
@@ -232,7 +232,7 @@ def variance_reduction_figure(results: pd.DataFrame) -> Figure:
     rows = results[(results["metric"] == "variance_reduction") & results["variant"].str.startswith("vopd_top")]
     rows = rows.sort_values("k")
     V = int(results["vocab_size"].iloc[0])
-    fig = Figure(figsize=(12, 3.9), dpi=100, layout="constrained")
+    fig = Figure(figsize=(12, 3.9), layout="constrained")
     ax, ax2 = fig.subplots(1, 2, gridspec_kw={"width_ratios": [1.6, 1]})
     _reduction_panel(ax, rows, lookup(results, "vopd", "variance_reduction"), V)
     mass = results[(results["metric"] == "student_topk_mass") & (results["variant"] == "-")].sort_values("k")

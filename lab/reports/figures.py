@@ -123,7 +123,7 @@ def bias_variance_mse(results: pd.DataFrame) -> Figure:
     colors = estimator_colors(results)
     norm2 = gradient_norm2(results)
     scale = norm2 if np.isfinite(norm2) and norm2 > 0 else 1.0
-    fig = Figure(figsize=(12, 3.8), dpi=100, layout="constrained")
+    fig = Figure(figsize=(12, 3.8), layout="constrained")
     axes = fig.subplots(1, 3)
     axes[2].sharey(axes[1])
     panels = [("bias2", "squared bias ‖E g − ∇J‖²"), ("variance", "variance  tr Cov(g)"),
@@ -158,7 +158,7 @@ def bias_variance_mse(results: pd.DataFrame) -> Figure:
 def weight_diagnostics(results: pd.DataFrame) -> Figure:
     """Importance-weight health against staleness: ESS fraction, Pareto k-hat, sequence χ², log-weight variance."""
     results = _study(results)
-    fig = Figure(figsize=(12, 3.6), dpi=100, layout="constrained")
+    fig = Figure(figsize=(12, 3.6), layout="constrained")
     axes = fig.subplots(1, 4)
     grey, blue = "#444444", "#1f77b4"
 
@@ -200,7 +200,7 @@ def weight_diagnostics(results: pd.DataFrame) -> Figure:
 def divergence(results: pd.DataFrame) -> Figure:
     """Achieved divergence KL(μ‖π) against the staleness knob: exact value and sampled k1/k3 estimates."""
     results = _study(results)
-    fig = Figure(figsize=(9, 3.6), dpi=100, layout="constrained")
+    fig = Figure(figsize=(9, 3.6), layout="constrained")
     axes = fig.subplots(1, 2)
     for ax, level in zip(axes, ("token", "seq")):
         exact = _series(results, f"kl_{level}")

@@ -5,9 +5,13 @@ estimator (``vopd_top8``, ``opd_rtg``) take their base estimator's colour family
 """
 from __future__ import annotations
 
+import matplotlib
 import pandas as pd
 
 from lab import estimators
+
+# every report figure at 150 dpi (figures are built without pyplot and rendered by the notebook's display hook)
+matplotlib.rcParams["figure.dpi"] = 150
 
 # 30 distinguishable colours (tab10, then shades from tab20b and tab20c)
 _PALETTE = ["#7f7f7f", "#d62728", "#9467bd", "#ff7f0e", "#8c564b", "#e377c2", "#17becf", "#bcbd22",

@@ -210,7 +210,7 @@ def _kernel_panel(ax, w, k, lam, c, sign, dx) -> None:
 def kernel_figure(pos=POS, neg=NEG) -> Figure:
     """phi(W) for both advantage signs with its maximum and the line K·W that bounds it; log-scale tails against
     IS's W; the surrogates f(W) whose W f'(W) is phi."""
-    fig = Figure(figsize=(13, 4.3), dpi=100, layout="constrained")
+    fig = Figure(figsize=(13, 4.3), layout="constrained")
     axes = fig.subplots(1, 3)
     w, wl = np.linspace(1e-4, 4.0, 800), np.logspace(-4, 3, 600)
     for (k, lam), sign, dx in ((pos, "A ≥ 0", -4), (neg, "A < 0", 4)):
@@ -250,7 +250,7 @@ def bound_figure(results: pd.DataFrame) -> Figure:
     (median over random policies, band: min to max). Every point at or below 1 means the bound held."""
     bound = bound_rows(results)
     kinds = [k for k in ("lag", "kl", "temperature") if k in set(bound["staleness_kind"])]
-    fig = Figure(figsize=(13, 4.6), dpi=100, layout="constrained")
+    fig = Figure(figsize=(13, 4.6), layout="constrained")
     axes = np.atleast_1d(fig.subplots(1, len(kinds), sharey=True))
     finite = bound[np.isfinite(bound["K"])]
     kernels = list(dict.fromkeys(zip(finite["k"], finite["lam"])))
@@ -283,7 +283,7 @@ def second_moment_figure(results: pd.DataFrame, kind: str = "lag") -> Figure:
     sub = bound[(bound["staleness_kind"] == kind) & (bound["seed"] == bound["seed"].min())]
     if sub.empty:
         raise LabError(f"the bound table has no {kind!r} rows")
-    fig = Figure(figsize=(7.5, 4.0), dpi=100, layout="constrained")
+    fig = Figure(figsize=(7.5, 4.0), layout="constrained")
     ax = fig.subplots()
     first = sub.drop_duplicates("staleness").sort_values("staleness")
     ax.plot(first["staleness"], first["w2"], "-s", color=color("seq_is"), lw=2, ms=4,
@@ -341,7 +341,7 @@ def comparison_figure(summary: dict) -> Figure:
     (cosine) and size (‖E g‖ ÷ ‖∇J‖)."""
     comp = per_lag(summary)
     has_dir = "vespo_exact_cos" in comp
-    fig = Figure(figsize=(14, 3.9), dpi=100, layout="constrained")
+    fig = Figure(figsize=(14, 3.9), layout="constrained")
     axes = fig.subplots(1, 4 if has_dir else 3)
     x = comp["lag"].to_numpy()
     _mse_panels(axes, comp, x)

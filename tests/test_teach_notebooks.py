@@ -1,0 +1,98 @@
+"""The teaching notebooks under papermill with their smoke parameters: no error cells, a run folder with a
+headline, static figures at 150 dpi whose alt text is in the notebook's Markdown, and an HTML export that shows them."""
+from __future__ import annotations
+
+import io
+import json
+import re
+from pathlib import Path
+
+import nbformat
+import numpy as np
+import pandas as pd
+import pytest
+
+from lab.teach import LESSONS
+
+ROOT = Path(__file__).resolve().parent.parent
+FIGURES = {"teach_weight_explosion": 2, "teach_clip_mask": 3, "teach_vespo_kernel": 4, "teach_gvpo_zero_sum": 3,
+           "teach_vopd_baseline": 2}
+
+
+@pytest.fixture(scope="module")
+def executed(gallery):
+    """Every lesson as the report driver executed it (the session's gallery): (executed notebook, run folder)."""
+    return {lesson.name: (gallery / lesson.name / f"{lesson.name}.ipynb", gallery / lesson.name) for lesson in LESSONS}
+
+
+def test_lessons_list_the_notebooks():
+    on_disk = sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "notebooks" / "teach").glob("*.ipynb"))
+    assert sorted(lesson.notebook for lesson in LESSONS) == on_disk
+    assert set(FIGURES) == {lesson.name for lesson in LESSONS}
+
+
+@pytest.mark.parametrize("lesson", LESSONS, ids=lambda l: l.name)
+def test_parameters_cell_and_kernel(lesson):
+    import papermill as pm
+
+    nb = nbformat.read(str(ROOT / lesson.notebook), as_version=4)
+    tagged = [c for c in nb.cells if "parameters" in c.metadata.get("tags", [])]
+    assert len(tagged) == 1 and re.search(r"^out_dir = None\b", tagged[0].source, re.M)
+    params = pm.inspect_notebook(str(ROOT / lesson.notebook))
+    assert set(lesson.smoke) <= set(params) and "out_dir" in params
+    assert nb.metadata.kernelspec.name == "offpolicy-lab"
+    assert all(not c.get("outputs") for c in nb.cells if c.cell_type == "code"), "commit notebooks without outputs"
+
+
+@pytest.mark.parametrize("lesson", LESSONS, ids=lambda l: l.name)
+def test_runs_without_errors_and_writes_its_run_folder(executed, lesson):
+    path, run = executed[lesson.name]
+    nb = nbformat.read(str(path), as_version=4)
+    outputs = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs]
+    assert not [o for o in outputs if o.output_type == "error"]
+    assert not [o for o in outputs if o.output_type == "stream" and o.name == "stderr"], "warnings or errors printed"
+    config = json.loads((run / "config.json").read_text())
+    for key, value in lesson.smoke.items():
+        if key in config:
+            assert config[key] == value, key
+    summary = json.loads((run / "summary.json").read_text())
+    assert isinstance(summary["headline"], str) and len(summary["headline"]) > 40
+    assert "nan" not in summary["headline"].lower()
+    results = pd.read_parquet(run / "results.parquet")
+    assert len(results) > 0 and results.select_dtypes("number").notna().any().all()
+    text = "".join(o.get("data", {}).get("text/markdown", "") for o in outputs if "data" in o)
+    assert summary["headline"] in text, "the notebook shows the headline it writes"
+    widgets = [o for o in outputs if "application/vnd.jupyter.widget-view+json" in o.get("data", {})]
+    assert len(widgets) == 1 and "make lab" in widgets[0]["data"]["text/plain"]
+
+
+@pytest.mark.parametrize("lesson", LESSONS, ids=lambda l: l.name)
+def test_figures_at_150_dpi_with_alt_text(executed, lesson):
+    from base64 import b64decode
+
+    from PIL import Image
+
+    nb = nbformat.read(str(executed[lesson.name][0]), as_version=4)
+    markdown = " ".join(c.source for c in nb.cells if c.cell_type == "markdown")
+    figures = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs
+               if "image/png" in o.get("data", {}) and "text/html" in o.get("data", {})]
+    assert len(figures) == FIGURES[lesson.name]
+    for out in figures:
+        image = Image.open(io.BytesIO(b64decode(out["data"]["image/png"])))
+        assert [round(d) for d in image.info["dpi"]] == [150, 150]
+        assert image.size[0] > 600 and len(np.unique(np.asarray(image.convert("L")))) > 20  # a real, non-blank plot
+        alt = re.search(r'alt="([^"]+)"', out["data"]["text/html"]).group(1)
+        assert len(alt) > 80 and alt.replace("&#x27;", "'") in markdown
+
+
+def test_html_export_shows_the_figures(executed):
+    """The static report: nbconvert's lab template, scripts removed as the report driver does."""
+    from nbconvert import HTMLExporter
+
+    path = executed["teach_vespo_kernel"][0]
+    body, _ = HTMLExporter(template_name="lab", exclude_input=True).from_notebook_node(nbformat.read(str(path), 4))
+    body = re.sub(r"<script\b.*?</script>", "", body, flags=re.S | re.I)
+    imgs = [tag for tag in re.findall(r"<img\b[^>]*>", body) if 'src="data:image/png;base64,' in tag]
+    alts = [re.search(r'alt="([^"]*)"', tag) for tag in imgs]
+    assert len(imgs) == FIGURES["teach_vespo_kernel"] and all(a and len(a.group(1)) > 80 for a in alts)
+    assert "Traceback" not in body and "Proposition 3.1" in body and "Headline." in body
