@@ -115,12 +115,13 @@ def loop_gradients(policy, theta, batch, advantages, est: Estimator, extras=None
     out = torch.zeros(M, theta.numel(), dtype=theta.dtype)
     for m in range(M):
         th = theta.detach().clone().requires_grad_(True)  # the sample gradients accumulate in th.grad
-        n_tokens = batch.mask[m].sum().clamp(min=1.0)
+        n_tokens = batch.mask[m].sum().clamp(min=1.0).to(theta.device)
         for part in [slice(0, B)] if whole else [slice(i, i + 1) for i in range(B)]:
-            mask = batch.mask[m, part]
-            logits = policy.logits(th, batch.prompts[m, part], batch.tokens[m, part])
-            value, _ = ascent_loss(logits, batch.tokens[m, part], mask, batch.behaviour_log_probs[m, part],
-                                   advantages[m, part], {k: v[m, part] for k, v in extras.items()})
+            dev = th.device
+            mask, tokens = batch.mask[m, part].to(dev), batch.tokens[m, part].to(dev)
+            logits = policy.logits(th, batch.prompts[m, part].to(dev), tokens)
+            value, _ = ascent_loss(logits, tokens, mask, batch.behaviour_log_probs[m, part].to(dev),
+                                   advantages[m, part].to(dev), {k: v[m, part].to(dev) for k, v in extras.items()})
             if whole:
                 weight = 1.0
             elif est.loss_agg_mode == "token-mean":

