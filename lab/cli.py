@@ -9,6 +9,7 @@ import argparse
 import shutil
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -108,14 +109,15 @@ def cmd_report(args) -> int:
     if args.all:
         if args.name or args.param or args.file or args.params:
             raise LabError("give either a report name (with -p / -f) or --all, not both")
-        n, done, t0 = len(reports.names()), [0], time.perf_counter()
+        n, done, t0, lock = len(reports.names()), [0], time.perf_counter(), threading.Lock()
 
         def say(kind, name, seconds):
-            if kind == "start":
-                print(f"building {name} ...", flush=True)
-            else:
-                done[0] += 1
-                print(f"[{done[0]}/{n}] {name}: {seconds:.0f} s", flush=True)
+            with lock:  # reports build in parallel threads: one whole line at a time
+                if kind == "start":
+                    print(f"building {name} ...", flush=True)
+                else:
+                    done[0] += 1
+                    print(f"[{done[0]}/{n}] {name}: {seconds:.0f} s", flush=True)
 
         paths = reports.run_all(out_root=Path(args.out), workers=args.workers, on_event=say)
         print(f"wrote {len(paths) - 1} reports and the gallery {paths[-1]} in {time.perf_counter() - t0:.0f} s",

@@ -92,9 +92,7 @@ def check_writable(out: Path) -> None:
     except OSError as e:
         raise LabError(f"cannot write to {out} ({e.strerror or e}); choose another --out") from None
     finally:
-        for p in made:
-            if p.is_dir() and not any(p.iterdir()):
-                p.rmdir()
+        remove_empty(made)
 
 
 @contextmanager
@@ -111,9 +109,7 @@ def atomic_dir(dest: Path):
         replace_dir(tmp, dest)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
-        for p in made:
-            if p.is_dir() and not any(p.iterdir()):
-                p.rmdir()
+        remove_empty(made)
         raise
 
 
@@ -128,6 +124,16 @@ def write_run(out: Path, config: dict, results: pd.DataFrame, summary: dict, ext
         for name, writer in (extra or {}).items():
             writer(tmp / name)
     return out
+
+
+def remove_empty(folders) -> None:
+    """Remove the folders this process created, innermost first, where they are still empty (another process or
+    thread may have started using one meanwhile)."""
+    for p in folders:
+        try:
+            p.rmdir()
+        except OSError:
+            return
 
 
 def replace_dir(src: Path, dest: Path) -> None:

@@ -1,5 +1,6 @@
 import dataclasses
 import os
+import socket
 
 import pytest
 import torch
@@ -31,3 +32,24 @@ def gallery(tmp_path_factory):
         paths = reports.run_all(out, workers=2)
     assert paths == [out / name for name in reports.names()] + [out / "index.html"]
     return out
+
+
+@pytest.fixture
+def no_network(monkeypatch):
+    """Any attempt to open a connection fails the test (model loading must be offline)."""
+    def refuse(*args, **kwargs):
+        raise AssertionError(f"network access attempted: {args[1:] if len(args) > 1 else args}")
+
+    monkeypatch.setattr(socket.socket, "connect", refuse)
+    monkeypatch.setattr(socket.socket, "connect_ex", refuse)
+    monkeypatch.setattr(socket, "create_connection", refuse)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+
+
+@pytest.fixture
+def one_thread():
+    """One torch thread: small decoding steps gain nothing from more, and a shared machine makes them wait."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

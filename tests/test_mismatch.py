@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import socket
 
 import pytest
 import torch
@@ -30,24 +29,7 @@ def tiny_mixtral(path, seed=0):
     MixtralForCausalLM(cfg).eval().save_pretrained(path)
 
 
-@pytest.fixture(autouse=True)
-def no_network(monkeypatch):
-    def refuse(*args, **kwargs):
-        raise AssertionError("network access attempted")
-
-    monkeypatch.setattr(socket.socket, "connect", refuse)
-    monkeypatch.setattr(socket.socket, "connect_ex", refuse)
-    monkeypatch.setattr(socket, "create_connection", refuse)
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """One torch thread: small decoding steps gain nothing from more, and a shared machine makes them wait."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("no_network", "one_thread")
 
 
 @pytest.fixture(scope="module")

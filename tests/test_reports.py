@@ -178,3 +178,26 @@ def test_html_renders_in_headless_chromium(built, tmp_path):
     for name, hex_color in list(colors.items())[:2]:  # the figures' line colours are on screen: images drew
         rgb = np.array([int(hex_color[i:i + 2], 16) for i in (1, 3, 5)])
         assert (np.abs(pixels - rgb).max(1) < 12).sum() > 200, f"no {name} line pixels in the screenshot"
+
+
+def test_gallery_pages_have_no_broken_images_links_script_errors_or_overflow(gallery, tmp_path):
+    """The gallery and every report page in a real headless Chromium."""
+    from browser import Browser, _chromium
+
+    browser = Browser(_chromium(), tmp_path / "profile")
+    try:
+        pages = [gallery / "index.html"] + [gallery / n / f"{n}.html" for n in reports.names()]
+        for page in pages:
+            browser.open(page.as_uri(), width=1280)
+            broken = browser.js("[...document.images].filter(i => !i.complete || i.naturalWidth === 0).length")
+            overflow = browser.js("document.documentElement.scrollWidth - window.innerWidth")
+            links = browser.js("[...document.links].map(a => a.getAttribute('href'))")
+            assert broken == 0, (page, broken)
+            assert overflow <= 0, (page, overflow)
+            assert browser.errors() == [], (page, browser.errors())
+            missing = [h for h in links if not h.startswith(("http", "#", "data:"))
+                       and not (page.parent / h).resolve().exists()]
+            assert missing == [], (page, missing)
+            assert browser.js("[...document.images].every(i => i.alt && i.alt.length > 3)"), page  # alt text
+    finally:
+        browser.close()

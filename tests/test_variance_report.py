@@ -80,3 +80,9 @@ def test_every_estimator_keeps_one_colour():
     colours = [style.color(n) for n in estimators.names()]
     assert len(set(colours)) == len(colours)
     assert style.color("vopd_top8") == style.color("vopd_top16") != style.color("vopd")
+
+
+def test_many_estimators_become_rows_so_the_table_stays_narrow():
+    html = text.headline_table(SUMMARY, wide_limit=1).to_html()
+    assert html.count(">★ ") == 2 and "lag 32" in html and "lag 8" in html  # settings are columns now
+    assert html.index(">seq_is<") > html.index(">ESS<")  # estimators are rows, after the divergence rows

@@ -38,7 +38,7 @@ from lab.reports import real_model_variance as real_model_text
 from lab.reports import variance as variance_text
 from lab.reports import vespo_bound as vespo_bound_text
 from lab.reports import params as report_params
-from lab.runs import RUN_FILES, atomic_dir, cache_dir, check_writable
+from lab.runs import RUN_FILES, remove_empty, atomic_dir, cache_dir, check_writable
 from lab.teach import LESSONS
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -151,6 +151,8 @@ body { max-width: 1180px; margin: 0 auto !important; padding: 0 24px 48px; }
 .jp-RenderedHTMLCommon table.lab-headline { font-size: 13px; }
 .jp-RenderedHTMLCommon table.lab-headline td, .jp-RenderedHTMLCommon table.lab-headline th { white-space: nowrap; }
 .jp-RenderedImage img { max-width: 100%; height: auto; }
+.lab-provenance { color: #666; font: 12px system-ui, sans-serif; padding: 10px 0; border-bottom: 1px solid #eee;
+                  overflow-wrap: anywhere; }
 </style>
 """
 
@@ -174,6 +176,13 @@ def export_html(notebook: Path, title: str) -> str:
         if alt and (not img.get("alt") or img["alt"].startswith("No description")):
             img["alt"] = alt
     return str(soup).replace("</head>", _CSS + "</head>", 1)
+
+
+def _stamp(html_text: str, folder: Path, name: str) -> str:
+    """The report page with its provenance and links to its run files at the top."""
+    line = (f'<div class="lab-provenance">{html.escape(_provenance_line(provenance(folder, name)))}<br>'
+            f'files: {_file_links(name)} · <a href="../index.html">all reports</a></div>')
+    return re.sub(r"(<body[^>]*>)", lambda m: m.group(1) + line, html_text, count=1)
 
 
 def figure_alts(nb) -> list[str]:
@@ -224,7 +233,8 @@ def run_report(name: str, params: dict | None = None, out_root: Path = Path("rep
         for f in (stage / "run").iterdir():  # the run files, and whatever else the report keeps (logs, tables)
             os.replace(f, stage / f.name)
         (stage / "run").rmdir()
-        (stage / f"{name}.html").write_text(export_html(executed, title=f"{name} report"), encoding="utf-8")
+        page = _stamp(export_html(executed, title=f"{name} report"), stage, name)
+        (stage / f"{name}.html").write_text(page, encoding="utf-8")
     return dest
 
 
@@ -247,9 +257,7 @@ def _report_lock(out_root: Path, name: str):
     finally:
         os.close(fd)
         lock_path.unlink(missing_ok=True)
-        for p in made:  # folders this run created and left empty (a failed first build)
-            if p.is_dir() and not any(p.iterdir()):
-                p.rmdir()
+        remove_empty(made)  # folders this run created and left empty (a failed first build)
 
 
 def _keep_failed(executed: Path, name: str) -> Path | str:
@@ -283,8 +291,18 @@ def run_all(out_root: Path = Path("reports"), workers: int = 1, on_event=None) -
             on_event("done", name, time.perf_counter() - t0)
         return path
 
-    with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:  # each report runs in its own kernel process
-        paths = list(pool.map(build, names()))
+    Path(out_root).mkdir(parents=True, exist_ok=True)
+    threads = os.environ.get("OMP_NUM_THREADS")
+    if workers > 1:  # one compute thread per kernel: parallel kernels would otherwise contend for the same cores
+        os.environ["OMP_NUM_THREADS"] = "1"
+    try:
+        with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:  # each report runs in its own kernel process
+            paths = list(pool.map(build, names()))
+    finally:
+        if threads is None:
+            os.environ.pop("OMP_NUM_THREADS", None)
+        else:
+            os.environ["OMP_NUM_THREADS"] = threads
     return [*paths, write_index(out_root)]
 
 
@@ -299,8 +317,35 @@ def _thumbnail(notebook: Path) -> str | None:
     return None
 
 
+def provenance(folder: Path, name: str) -> dict:
+    """When and from what a built report came: date, lab version, git revision and the parameters it was given."""
+    out = {"date": "", "version": "", "revision": "", "parameters": {}}
+    try:
+        config = json.loads((folder / "config.json").read_text())
+        out["version"] = (config.get("versions") or {}).get("offpolicy-variance-lab") or ""
+        out["revision"] = (config.get("git_revision") or "")[:12]
+        nb = json.loads((folder / f"{name}.ipynb").read_text())
+        pm = nb.get("metadata", {}).get("papermill", {})
+        out["date"] = (pm.get("end_time") or "")[:16].replace("T", " ")
+        out["parameters"] = {k: v for k, v in (pm.get("parameters") or {}).items() if k != "out_dir"}
+    except (OSError, ValueError):
+        pass
+    return out
+
+
+def _provenance_line(prov: dict) -> str:
+    params = ", ".join(f"{k}={json.dumps(v)}" for k, v in prov["parameters"].items()) or "defaults"
+    return (f"built {prov['date'] or '?'} UTC · lab {prov['version'] or '?'} · revision {prov['revision'] or '?'} · "
+            f"parameters: {params}")
+
+
+def _file_links(name: str, prefix: str = "") -> str:
+    files = [f"{name}.ipynb", *RUN_FILES]
+    return " · ".join(f'<a href="{prefix}{html.escape(f)}">{html.escape(f)}</a>' for f in files)
+
+
 def write_index(out_root: Path = Path("reports")) -> Path:
-    """The gallery page: one card per built report with its description and headline number."""
+    """The gallery page: one card per built report with its description, headline, provenance and run files."""
     out_root = Path(out_root)
     cards = []
     for name, report in REPORTS.items():
@@ -312,22 +357,25 @@ def write_index(out_root: Path = Path("reports")) -> Path:
         except (OSError, KeyError, ValueError, TypeError) as e:
             headline = f"(no headline: {type(e).__name__})"
         thumb = _thumbnail(folder / f"{name}.ipynb")
-        img = f'<img src="data:image/png;base64,{thumb}" alt="{name}">' if thumb else ""
-        cards.append(f'<a class="card" href="{name}/{name}.html">{img}<h2>{html.escape(name)}</h2>'
+        img = (f'<a href="{name}/{name}.html"><img src="data:image/png;base64,{thumb}" '
+               f'alt="{html.escape(name)}: first figure of the report"></a>') if thumb else ""
+        cards.append(f'<div class="card">{img}<h2><a href="{name}/{name}.html">{html.escape(name)}</a></h2>'
                      f'<p>{html.escape(report.description)}</p><p class="num">{html.escape(headline)}</p>'
-                     f'<p class="files">{name}.ipynb · config.json · results.parquet · summary.json</p></a>')
+                     f'<p class="files">{html.escape(_provenance_line(provenance(folder, name)))}<br>'
+                     f'{_file_links(name, f"{name}/")}</p></div>')
     page = f"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8"><title>Off-policy variance lab: reports</title>
 <style>
 body {{ font-family: system-ui, sans-serif; max-width: 1100px; margin: 2em auto; padding: 0 1em; color: #222; }}
-.card {{ display: block; border: 1px solid #ddd; border-radius: 8px; padding: 1em; margin: 1em 0;
-        color: inherit; text-decoration: none; }}
-.card:hover {{ border-color: #1f77b4; }}
-.card img {{ width: 100%; }} .num {{ font-weight: 600; font-size: 1.1em; }} .files {{ color: #777; font-size: .85em; }}
+.card {{ border: 1px solid #ddd; border-radius: 8px; padding: 1em; margin: 1em 0; overflow-wrap: anywhere; }}
+.card:hover {{ border-color: #1f77b4; }} .card h2 a {{ color: inherit; }}
+.card img {{ max-width: 100%; height: auto; }} .num {{ font-weight: 600; font-size: 1.1em; }}
+.files {{ color: #666; font-size: .85em; }}
 </style></head><body>
 <h1>Off-policy variance lab: reports</h1>
 <p>Generated by <code>make reports</code> (<code>lab report --all</code>). Each report folder holds the executed
-notebook and its run files; rebuild one with <code>lab report NAME -p key=value</code>.</p>
+notebook and its run files; <code>lab report NAME -p key=value</code> rebuilds one with other parameters and
+refreshes this page, whose cards say which parameters each report was built with.</p>
 {''.join(cards) or '<p>No reports built yet.</p>'}
 </body></html>
 """

@@ -101,22 +101,34 @@ def _advice(rel: dict, ests: list, best: list) -> str:
             f"of these is {least}.")
 
 
-def headline_table(summary: dict):
-    """Per staleness value: exact per-token KL, ESS and each estimator's MSE ÷ ‖∇J‖² [95% CI], lowest starred."""
+def headline_table(summary: dict, wide_limit: int = 6):
+    """MSE ÷ ‖∇J‖² [95% CI] per estimator and staleness value, with the exact per-token KL and the ESS; lowest
+    starred. Estimators are columns when there are at most ``wide_limit`` of them, else rows (the page stays
+    narrow)."""
     kind = summary["staleness"]
-    rows, marks = [], {}
-    for i, entry in enumerate(sorted(summary["per_value"], key=lambda e: e["staleness"])):
-        ests = list(entry["estimators"])
+    entries = sorted(summary["per_value"], key=lambda e: e["staleness"])
+    ests = list(entries[0]["estimators"])
+    best = {}
+    for entry in entries:
         mse = {e: entry["estimators"][e]["rel_mse"] for e in ests}
-        best = _best(mse) if len(_best(mse)) < len(ests) else []
-        row = {kind: f"{entry['staleness']:g}", "KL(μ‖π)/token": f"{entry['kl_token']:.2g}",
-               "ESS": interval(*entry["ess_frac"], "{:.0%}")}
-        for e in ests:
-            row[e] = ("★ " if e in best else "") + interval(mse[e], *entry["intervals"][e]["rel_mse"])
-        rows.append(row)
-        marks[i] = best
-    return table(pd.DataFrame(rows), "MSE ÷ ‖∇J‖² per estimator (lower is better; ★ lowest; [95% bootstrap "
-                                     "interval]). ESS: Kish effective sample size as a share of the batch.", marks)
+        best[entry["staleness"]] = _best(mse) if len(_best(mse)) < len(ests) else []
+
+    def cell(entry, e):
+        v = entry["estimators"][e]["rel_mse"]
+        return ("★ " if e in best[entry["staleness"]] else "") + interval(v, *entry["intervals"][e]["rel_mse"])
+
+    caption = ("MSE ÷ ‖∇J‖² per estimator (lower is better; ★ lowest; [95% bootstrap interval]). ESS: Kish "
+               "effective sample size as a share of the batch.")
+    if len(ests) <= wide_limit:
+        rows = [{kind: f"{x['staleness']:g}", "KL(μ‖π)/token": f"{x['kl_token']:.2g}",
+                 "ESS": interval(*x["ess_frac"], "{:.0%}"), **{e: cell(x, e) for e in ests}} for x in entries]
+        return table(pd.DataFrame(rows), caption, {i: best[x["staleness"]] for i, x in enumerate(entries)})
+    cols = [f"{kind} {x['staleness']:g}" for x in entries]
+    rows = [{"": "KL(μ‖π)/token", **{c: f"{x['kl_token']:.2g}" for c, x in zip(cols, entries)}},
+            {"": "ESS", **{c: interval(*x["ess_frac"], "{:.0%}") for c, x in zip(cols, entries)}}]
+    rows += [{"": e, **{c: cell(x, e) for c, x in zip(cols, entries)}} for e in ests]
+    marks = {2 + i: [c for c, x in zip(cols, entries) if e in best[x["staleness"]]] for i, e in enumerate(ests)}
+    return table(pd.DataFrame(rows), caption, marks)
 
 
 def registry_table(names: list[str]) -> pd.DataFrame:

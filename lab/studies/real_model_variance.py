@@ -36,7 +36,7 @@ class Config:
     """task env preset (see `lab envs`): chain sums, sorting or addition"""
     lengths: list = field(default_factory=lambda: [2, 3])
     """response lengths T (the task's difficulty is set to give them)"""
-    n_prompts: int = 8
+    n_prompts: int = 6
     """training prompts of the task (every response of each is enumerated)"""
     model: str = "small"
     """transformer size (see lab.policies.transformer.SIZES)"""
@@ -59,10 +59,10 @@ class Config:
     """M replicate batches per setting"""
     trajectory_steps: int = 8
     """Adam steps on the exact objective from the starting point to pi"""
-    lr: float = 0.01
-    """the transformer trajectory's Adam learning rate"""
-    tabular_lr: float = 0.05
-    """the tabular trajectory's Adam learning rate"""
+    lr: float = 3e-4
+    """the transformer trajectory's Adam learning rate (Adam moves every one of its parameters by about lr per step)"""
+    tabular_lr: float = 0.1
+    """the tabular trajectory's Adam learning rate (chosen so that the lags span a similar range of KL per token)"""
     loss_agg_mode: str = "seq-mean-token-sum"
     """loss aggregation mode, or native"""
     exact_directions: bool = True
