@@ -2,7 +2,6 @@
 per-batch metrics recomputed from a log equal to the trainer's, and statistical claims checked statistically."""
 from __future__ import annotations
 
-import importlib
 
 import numpy as np
 import pytest
@@ -70,12 +69,9 @@ def test_streaming_equals_whole_table_pandas(random_small):
 
 
 def _training_weight_metrics():
-    for name in ("lab.engine.training", "lab.training"):
-        try:
-            return importlib.import_module(name).weight_metrics
-        except (ImportError, AttributeError):
-            continue
-    pytest.skip("the training simulator's weight_metrics is not importable in this tree")
+    from lab.engine.training import weight_metrics
+
+    return weight_metrics
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])

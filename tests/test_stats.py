@@ -157,13 +157,13 @@ def test_rate_interval_bad_input():
         rate_interval(1, 3, ci=0)
 
 
-# ---- the staleness report's aggregation (lab.staleness_training.summarise) on a hand-made runs table --------------
+# ---- the staleness report's aggregation (lab.studies.staleness_training.summarise) on a hand-made runs table --------------
 def test_staleness_summarise_hand_values():
     import pandas as pd
 
     from lab.studies.staleness_training import summarise
 
-    # 2 estimators x N in {1, 4} x 4 seeds; lab.sweep.load_results' column names
+    # 2 estimators x N in {1, 4} x 4 seeds; lab.engine.sweep.load_results' column names
     finals = {("a", 1): [0.1, 0.2, 0.3, 0.9], ("a", 4): [1.0, 1.0, 1.0, 1.0],
               ("b", 1): [0.1, 0.2, 0.3, 0.9], ("b", 4): [0.0, 0.0, 0.5, 0.0]}
     rows = [{"estimator": e, "minibatches": n, "seed": s, "final_reward": f, "collapsed": e == "b" and n == 4 and s < 3}

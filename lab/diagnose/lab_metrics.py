@@ -1,6 +1,6 @@
 """The training simulator's per-mini-batch weight diagnostics, recomputed from a neutral log of the run.
 
-Same formulas as lab.training (``weight_metrics``), same dtypes, same [B, T] layout, so the numbers are equal:
+Same formulas as lab.engine.training (``weight_metrics``), same dtypes, same [B, T] layout, so the numbers are equal:
 
     delta = (log pi - log mu) * mask   (in the log-prob dtype, then float64)     L = delta.sum(-1)
     ess_frac = Kish ESS fraction of L       chi2_seq = mean e^(2L) - 1       khat = PSIS k-hat of L

@@ -8,7 +8,7 @@ The objective is the reverse KL of the student from the teacher along the studen
     KL(pi_S(y) || pi_T(y)) = E_{y ~ pi_S}[ sum_t KL_t ],   KL_t = sum_v pi_S(v|s_t) (log pi_S(v|s_t) - log pi_T(v|s_t)),
 
 read as RL with the per-token reward r_t = log pi_T(y_t|s_t) - log pi_S(y_t|s_t) (so E[r_t | s_t] = -KL_t).
-There are two gradient targets (the lab measures every estimator against both; lab.distillation_variance):
+There are two gradient targets (the lab measures every estimator against both; lab.studies.distillation):
 
 - per-token ("states held fixed"): grad_theta sum_y sg[pi_S(y)] sum_t m_t KL_t(theta): the visitation of states
   is frozen; this is what immediate-reward OPD and the analytic per-token KL losses estimate;

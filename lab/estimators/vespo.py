@@ -46,7 +46,7 @@ the values under ``policy_loss.gamma_is.*`` while the code reads ``policy_loss.v
 defaults: the same (2, 3) / (3, 2). The paper writes the kernel with W; the code's floor at W = 1e-8 inside the log
 is a numerical detail the paper does not state (it changes phi only for L < -18.42, where phi is below
 e^(lambda - 18.42 k); for k = 1 it lifts phi(w)/w above K = e^lambda there, so Proposition 3.1 could only fail
-through sequences with L < -18.42: lab.vespo_bound reports their mu-mass as ``floor_mass``). Not in the code:
+through sequences with L < -18.42: lab.studies.vespo_bound reports their mu-mass as ``floor_mass``). Not in the code:
 lambda <= 0 or k < 0 raise LabError here (the code clamps lambda to 1e-4 silently and accepts any k).
 
 Unbiasedness: none. E_mu[phi(W) A grad log pi] = Z E_Q[A grad log pi]: a gradient under the implicit proposal
