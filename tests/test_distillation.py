@@ -483,3 +483,22 @@ def test_figures_draw_the_study_numbers(small_study):
     assert "k = V = 8" in full.get_label()
     assert list(ax2.lines[0].get_xdata()) == [2, 8] and ax2.lines[0].get_ydata()[-1] == 1.0
     assert ax2.lines[0].get_ydata()[0] == pytest.approx(s["student_topk_mass"]["2"])
+
+
+def test_reduction_grid_finds_where_the_baseline_hurts_and_says_so():
+    """On a 3-token vocabulary with 2-token responses the state-value baseline raises the variance (interval below
+    1); with 32 tokens it lowers it. The text names both from the summary alone."""
+    from lab.reports import distillation as report
+    from lab.studies import distillation as study
+
+    grid, summary = study.reduction_grid(study.Config(), [3, 32], [0.25], replicates=100, lengths=[2])
+    by_v = grid.set_index("vocab_size")
+    assert by_v.loc[3, "hi"] < 1 and by_v.loc[32, "lo"] > 1
+    assert summary["hurts"] == 1 and summary["helps"] == 1
+    text = report.grid_answer(summary)
+    assert "raises the variance** in 1 setting(s): T = 2, V = 3" in text and "lowers the variance** in 1" in text
+    tidy = study.tidy_grid(grid)
+    assert set(tidy["metric"]) == {"variance_reduction", "kl_token"} and len(tidy) == 4
+    fig = report.grid_figure(grid)
+    ys = sorted(fig.axes[0].get_lines()[0].get_ydata())
+    assert ys == pytest.approx(sorted(grid["ratio"]))

@@ -86,3 +86,13 @@ def test_many_estimators_become_rows_so_the_table_stays_narrow():
     html = text.headline_table(SUMMARY, wide_limit=1).to_html()
     assert html.count(">★ ") == 2 and "lag 32" in html and "lag 8" in html  # settings are columns now
     assert html.index(">seq_is<") > html.index(">ESS<")  # estimators are rows, after the divergence rows
+
+
+def test_answer_opens_with_where_a_correction_matters_and_where_nothing_helps():
+    md = text.answer(SUMMARY)
+    assert md.index("Where a correction matters most: lag = 32") < md.index("At the most off-policy setting")
+    assert "seq_is has MSE 0.3×‖∇J‖² against 9× uncorrected, 30 times lower" in md
+    assert "Where nothing beats a zero update" in md and "lag = 0." in md  # on-policy both intervals are [1.8, 2.2]
+    s = copy.deepcopy(SUMMARY)
+    s["per_value"] = s["per_value"][1:]
+    assert "lag = 0." not in text.answer(s)

@@ -82,8 +82,10 @@ REPORTS: dict[str, Report] = {
     "opd_variance": Report(
         "notebooks/opd_variance.ipynb",
         "On-policy distillation: vanilla OPD, vOPD (full and top-k baselines), full-vocabulary and top-k KL: bias "
-        "against both targets, variance, and the baseline's variance reduction.",
-        smoke={"vocab_size": 8, "length": 2, "replicates": 40, "k_values": [2], "teacher_steps": 3},
+        "against both targets, variance, and where the baseline's variance reduction holds (vocabulary size, "
+        "student-teacher divergence).",
+        smoke={"vocab_size": 8, "length": 2, "replicates": 40, "k_values": [2], "teacher_steps": 3,
+               "grid_vocab_sizes": [3, 8], "grid_teacher_noises": [1.0], "grid_replicates": 40, "grid_lengths": [2]},
         headline=distillation_text.headline),
     "staleness_training": Report(
         "notebooks/staleness_training.ipynb",

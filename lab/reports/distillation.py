@@ -264,3 +264,56 @@ def _reduction_panel(ax, rows: pd.DataFrame, full: dict, V: int) -> None:
     ax.set_title("variance reduction factor (95% bootstrap interval, joint resampling)", fontsize=10.5)
     ax.legend(frameon=False, fontsize=8.5, loc="lower right")
     ax.set_ylim(0, max([1.0, *rows["hi"], *([full["hi"]] if full else [])]) * 1.15)
+
+
+# ---- where does the baseline help? ------------------------------------------------------------------------------------
+
+def grid_answer(grid: dict) -> str:
+    """Where vOPD's baseline lowers the variance, where it raises it, from ``reduction_grid``'s summary."""
+    cells = grid["cells"]
+    fmt = lambda c: (f"T = {c['length']}, V = {c['vocab_size']}, KL {c['kl_token']:.2g}/token: "  # noqa: E731
+                     f"{interval(c['ratio'], c['lo'], c['hi'])}")
+    hurts = [c for c in cells if c["verdict"] == "hurts"]
+    helps = [c for c in cells if c["verdict"] == "helps"]
+    lines = [f"Var(OPD) ÷ Var(vOPD) in {len(cells)} settings (responses of {', '.join(map(str, grid['lengths']))} "
+             f"tokens, a perturbed teacher, {grid['replicates']} replicate batches each; above 1 the baseline "
+             f"helps):", ""]
+    if hurts:
+        lines.append(f"- **The baseline raises the variance** in {len(hurts)} setting(s): " + "; ".join(map(fmt, hurts))
+                     + ". Subtracting the state value −KL_t is unbiased, but it only lowers the variance when the "
+                       "centred reward is less correlated with the score ∇log π(y_t) than the raw one; with a "
+                       "handful of tokens the cross term can dominate.")
+    if helps:
+        best = max(helps, key=lambda c: c["ratio"])
+        lines.append(f"- **It lowers the variance** in {len(helps)} setting(s), most at {fmt(best)}.")
+    if grid["unresolved"]:
+        lines.append(f"- Not resolved (the interval contains 1) in {grid['unresolved']} setting(s).")
+    return "\n".join(lines)
+
+
+def grid_figure(grid: pd.DataFrame) -> Figure:
+    """Var(OPD) ÷ Var(vOPD) against vocabulary size, one panel per response length, one line per teacher
+    perturbation (labelled by its KL per token), with 95% intervals."""
+    lengths = sorted(grid["length"].unique())
+    fig = Figure(figsize=(5.0 * len(lengths), 3.8), layout="constrained")
+    axes = np.atleast_1d(fig.subplots(1, len(lengths), sharey=True))
+    blues = ["#9ecae1", "#4292c6", "#08519c", "#08306b"]
+    for ax, T in zip(axes, lengths):
+        for i, (noise, g) in enumerate(grid[grid["length"] == T].groupby("teacher_noise")):
+            g = g.sort_values("vocab_size")
+            ax.plot(g["vocab_size"], g["ratio"], "-o", color=blues[i % 4], ms=4,
+                    label=f"teacher noise {noise:g} (KL {g['kl_token'].median():.2g}/token)")
+            ax.fill_between(g["vocab_size"], g["lo"], g["hi"], color=blues[i % 4], alpha=0.15, lw=0)
+        ax.axhline(1.0, color="black", lw=1, ls="--")
+        ax.text(0.01, 1.0, " no change", transform=ax.get_yaxis_transform(), va="bottom", fontsize=8)
+        ax.set_xscale("log", base=2)
+        ticks = sorted(grid["vocab_size"].unique())
+        ax.set_xticks(ticks, [str(v) for v in ticks])
+        ax.xaxis.set_minor_locator(NullLocator())
+        ax.set_xlabel("vocabulary size V")
+        ax.set_title(f"responses of T = {T} tokens", fontsize=10)
+        ax.grid(True, alpha=0.3)
+        ax.legend(frameon=False, fontsize=7.5)
+    axes[0].set_ylabel("Var(OPD) ÷ Var(vOPD)")
+    fig.suptitle("Where vOPD's baseline helps (above the dashed line) and where it hurts", fontsize=11)
+    return fig

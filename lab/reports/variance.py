@@ -63,6 +63,7 @@ def answer(summary: dict) -> str:
     truth = "the exact on-policy gradient ∇J of π" if summary.get("reference", "exact") == "exact" \
         else "∇J of π from a large on-policy Monte Carlo sample"
     lines = [setup + f". Truth: {truth}.", ""]
+    lines += _where_it_matters(settings, kind)
     lines += [f"**At the most off-policy setting, {kind} = {last['staleness']:g}** (KL(μ‖π) {last['kl_token']:.2g} "
               f"nats/token, ESS {last['ess_frac'][0]:.0%} of the batch):", ""]
     lines += ["| estimator | how wrong: ‖bias‖ ÷ ‖∇J‖ | how noisy: one batch's √tr Cov ÷ ‖∇J‖ | MSE ÷ ‖∇J‖² |",
@@ -89,6 +90,30 @@ def answer(summary: dict) -> str:
                      f"**KL {safe['kl_token']:.2g}/token** ({kind} = {safe['staleness']:g})"
                      + ("." if safe is not last else ": every setting here."))
     return "\n".join(lines)
+
+
+def _where_it_matters(settings: list, kind: str) -> list[str]:
+    """The finding first: where a correction helps most against uncorrected REINFORCE, and where no estimator's MSE
+    interval lies below that of a zero update (1)."""
+    lines = []
+    gains = []
+    for entry in settings:
+        ests = entry["estimators"]
+        best = min(ests, key=lambda e: ests[e]["rel_mse"])
+        if "reinforce" in ests and best != "reinforce" and ests[best]["rel_mse"] > 0:
+            gains.append((ests["reinforce"]["rel_mse"] / ests[best]["rel_mse"], entry, best))
+    if gains:
+        gain, entry, best = max(gains, key=lambda g: g[0])
+        if gain > 1:
+            lines.append(f"- **Where a correction matters most: {kind} = {entry['staleness']:g}** (KL "
+                         f"{entry['kl_token']:.2g}/token): {best} has MSE {entry['estimators'][best]['rel_mse']:.3g}×"
+                         f"‖∇J‖² against {entry['estimators']['reinforce']['rel_mse']:.3g}× uncorrected, "
+                         f"{gain:.3g} times lower.")
+    hopeless = [e for e in settings if min(iv["rel_mse"][0] for iv in e["intervals"].values()) >= 1]
+    if hopeless:
+        lines.append(f"- **Where nothing beats a zero update** (every MSE interval at or above 1×‖∇J‖²): {kind} = "
+                     + ", ".join(f"{e['staleness']:g}" for e in hopeless) + ".")
+    return lines + ([""] if lines else [])
 
 
 def _advice(rel: dict, ests: list, best: list) -> str:
