@@ -155,6 +155,42 @@ def bias_variance_mse(results: pd.DataFrame) -> Figure:
     return fig
 
 
+def mse_by_family(results: pd.DataFrame, columns: int = 3) -> Figure:
+    """MSE ÷ ‖∇J‖² against staleness as small multiples, one panel per estimator family (registry families), so
+    that many estimators stay readable; uncorrected REINFORCE and sequence IS are drawn in every panel as thin grey
+    references, and each panel's legend sits beside it, off the data."""
+    from lab import estimators
+
+    results = _study(results)
+    families: dict[str, list[str]] = {}
+    for name in estimator_names(results):
+        families.setdefault(estimators.info(name).family, []).append(name)
+    refs = [r for r in ("reinforce", "seq_is") if r in estimator_names(results)]
+    rows = -(-len(families) // columns)
+    fig = Figure(figsize=(4.6 * columns, 2.9 * rows), layout="constrained")
+    axes = np.atleast_1d(fig.subplots(rows, columns, sharex=True, sharey=True)).ravel()
+    values = results[results["metric"] == "rel_mse"][["value", "lo", "hi"]].to_numpy().ravel()
+    for ax, (family, names) in zip(axes, families.items()):
+        for ref in refs:
+            if ref not in names:
+                s = _series(results, "rel_mse", ref)
+                ax.plot(s["staleness"], s["value"], "--", color="#bbbbbb", lw=1.0, label=f"{ref} (reference)")
+        for name in names:
+            _line(ax, _series(results, "rel_mse", name), name, color(name))
+        ax.axhline(1.0, color="black", lw=0.7, ls=":")
+        ax.set_title(family, fontsize=10)
+        _staleness_axis(ax, results)
+        ax.set_xlabel("")
+        ax.legend(frameon=False, fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    for ax in axes[len(families):]:
+        ax.set_visible(False)
+    _log_y(axes[0], values)
+    fig.supxlabel(KIND_LABELS.get(results["staleness_kind"].iloc[0], "staleness"), fontsize=10)
+    fig.supylabel("MSE ÷ ‖∇J‖² (dotted: a zero update)", fontsize=10)
+    fig.suptitle("MSE of one batch's gradient by estimator family (shaded: 95% bootstrap interval)", fontsize=11)
+    return fig
+
+
 def weight_diagnostics(results: pd.DataFrame) -> Figure:
     """Importance-weight health against staleness: ESS fraction, Pareto k-hat, sequence χ², log-weight variance."""
     results = _study(results)
