@@ -1,8 +1,8 @@
 """The rollout_diagnostics report's figures, one function each, drawn from a Diagnostics' tables."""
 from __future__ import annotations
 
-import matplotlib.pyplot as plt
 import numpy as np
+from matplotlib.figure import Figure
 from matplotlib.ticker import NullFormatter, ScalarFormatter
 
 from lab.diagnose.streaming import KHAT_WARN, PAIR_TEXT
@@ -14,7 +14,8 @@ def logratio_distribution(diag):
     """Per pair: the share of tokens with |Δ| above x (log-log), and the signed distribution (symmetric log axis)."""
     h = diag.tables["histograms"]
     h = h[h["step"].isna()]
-    fig, axes = plt.subplots(1, 2, figsize=(11, 3.6))
+    fig = Figure(figsize=(11, 3.6))
+    axes = fig.subplots(1, 2)
     for pair, g in h.groupby("pair", sort=False):
         lo = g["bin_lo"].clip(-100, 100).to_numpy()
         hi = g["bin_hi"].clip(-100, 100).to_numpy()
@@ -44,7 +45,8 @@ def logratio_distribution(diag):
 def by_probability(diag):
     """Mean |Δ| and share of the |Δ| mass by the sampled token's probability."""
     t = diag.tables["by_probability"]
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
+    fig = Figure(figsize=(10, 3.6))
+    axes = fig.subplots(1, 2)
     for pair, g in t.groupby("pair", sort=False):
         g = g[g["n_tok"] > 0]
         x = np.sqrt(np.maximum(g["p_lo"], 1e-5) * g["p_hi"])
@@ -71,7 +73,8 @@ def by_probability(diag):
 def per_step(diag):
     """Per step: Kish ESS, PSIS k-hat (0.7 line), the dominant share and mean |Δ|."""
     t = diag.tables["per_step"]
-    fig, axes = plt.subplots(1, 4, figsize=(13, 3.2))
+    fig = Figure(figsize=(13, 3.2))
+    axes = fig.subplots(1, 4)
     for pair, g in t.groupby("pair", sort=False):
         x = np.arange(len(g))
         kw = dict(marker=".", color=COLORS.get(pair), label=PAIR_TEXT[pair])
@@ -95,7 +98,8 @@ def length_growth(diag):
     variance growth."""
     t, g = diag.tables["by_length"], diag.tables["growth"].set_index("pair")
     t = t[t["n_seq"] >= 5]  # length bins with at least 5 sequences
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
+    fig = Figure(figsize=(10, 3.6))
+    axes = fig.subplots(1, 2)
     for pair, d in t.groupby("pair", sort=False):
         axes[0].plot(d["mean_len"], d["logw_sd"], marker="o", color=COLORS.get(pair), label=PAIR_TEXT[pair])
         b = g.loc[pair, "var_per_token"]
@@ -119,7 +123,8 @@ def length_growth(diag):
 def staleness(diag):
     """Distribution of the version lag, and mean |Δ| per token at each lag."""
     t = diag.tables["staleness"]
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.2))
+    fig = Figure(figsize=(10, 3.2))
+    axes = fig.subplots(1, 2)
     if t.empty:
         for ax in axes:
             ax.text(0.5, 0.5, "no policy versions in this log", ha="center", va="center", transform=ax.transAxes)
@@ -142,7 +147,8 @@ def corrections(diag):
     """Share of tokens each correction changes and share of gradient weight it removes (95 % intervals)."""
     t = diag.tables["corrections"]
     y = np.arange(len(t))[::-1]
-    fig, axes = plt.subplots(1, 2, figsize=(10, 0.45 * len(t) + 1.2), sharey=True)
+    fig = Figure(figsize=(10, 0.45 * len(t) + 1.2))
+    axes = fig.subplots(1, 2, sharey=True)
     axes[0].barh(y, t["tokens_changed"], color="0.55")
     err = np.vstack([(t["removed"] - t["removed_lo"]).clip(lower=0), (t["removed_hi"] - t["removed"]).clip(lower=0)])
     axes[1].barh(y, t["removed"], xerr=np.nan_to_num(err), color="#d62728", label="removed")
