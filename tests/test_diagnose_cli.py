@@ -141,7 +141,9 @@ def test_memory_does_not_grow_with_the_log(tmp_path):
     assert run.returncode == 0, run.stderr
     peak_small, peak_large = map(float, run.stdout.split()[-2:])
     tokens_mb = 400_000 * 60 / 2**20  # what holding the long log's columns in memory would take, at least
-    assert peak_large < peak_small + 0.25 * tokens_mb, (peak_small, peak_large)
+    # a pass that held the tokens would grow by at least 3/4 of that from the short log to the long one; the
+    # streaming pass grows only by its per-sequence state (about 1 KB a sequence) and allocator noise
+    assert peak_large < peak_small + 0.5 * tokens_mb, (peak_small, peak_large)
 
 
 def test_report_notebook(tmp_path, monkeypatch):
