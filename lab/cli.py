@@ -88,6 +88,13 @@ def cmd_sweep(args) -> int:
     from lab.engine.sweep import load_spec, run_sweep
 
     spec = load_spec(args.spec)
+    if args.device is not None:  # every cell on this device (a field of the cell's config, so part of its id)
+        from lab.engine.sweep import _fields
+
+        if "device" not in _fields(spec.kind) or "device" in spec.grid:
+            raise LabError(f"--device applies to sweeps whose cells take a device and do not sweep it; "
+                           f"{spec.name!r} cannot take it")
+        spec.base = {**spec.base, "device": args.device}
     out = Path(args.out or f"runs/sweeps/{spec.name}")
     try:
         counts = run_sweep(spec, out, executor=args.executor, workers=args.workers, address=args.address)
@@ -159,7 +166,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.set_defaults(func=cmd_train)
 
     w = sub.add_parser("sweep", help="many training runs from a YAML grid; resumable; local pool or Ray")
-    w.add_argument("spec", help="sweep spec (YAML with name, base, grid; see sweeps/example.yaml)")
+    w.add_argument("spec", help="sweep spec (YAML with name, kind, base, grid; see sweeps/example.yaml)")
+    w.add_argument("--device", default=None, help="run every cell on this device (cpu | cuda), over the spec's base")
     w.add_argument("--executor", default="local", help="local (process pool) | ray")
     w.add_argument("--workers", type=int, default=None, help="parallel workers (default: all CPUs)")
     w.add_argument("--address", default=None, help="Ray cluster address (default: a local Ray instance)")

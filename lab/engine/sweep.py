@@ -1,9 +1,10 @@
-"""Resumable training sweeps: the Cartesian product of a grid of ``TrainConfig`` fields, run on a local process
-pool or on Ray (one machine or a cluster), one folder per cell.
+"""Resumable sweeps: the Cartesian product of a grid of config fields, run on a local process pool or on Ray (one
+machine or a cluster), one folder per cell.
 
-A spec (YAML: ``name``, ``base``, ``grid``) gives the fields shared by every cell (``base``) and, per grid key, the
-values to sweep; the cells are the product of the grid's lists, in the spec's key order. Every cell is resolved to a
-full ``TrainConfig`` (defaults filled in, whole numbers given for float fields made floats) and every cell is
+A spec (YAML: ``name``, ``kind``, ``base``, ``grid``) gives what a cell runs (``kind``: ``train``, the RL training
+simulator's ``TrainConfig``, the default; ``distill``, on-policy distillation's ``DistillConfig``; see
+``CELL_KINDS``), the fields shared by every cell (``base``) and, per grid key, the values to sweep; the cells are the
+product of the grid's lists, in the spec's key order. Every cell is resolved to a full config (defaults filled in, whole numbers given for float fields made floats) and every cell is
 validated before any runs, so a typo fails in a second, not an hour in.
 
 Layout of ``out_dir``::
@@ -53,13 +54,14 @@ import torch
 import yaml
 
 from lab.errors import LabError
-from lab.engine.training import TrainConfig, train
 from lab.progress import bar
 from lab.runs import atomic_dir, check_writable, git_revision, package_versions, write_json
 
 EXECUTORS = ("local", "ray")
-FIELDS = {f.name for f in fields(TrainConfig)}
-_DEFAULTS = asdict(TrainConfig())
+CELL_KINDS = {  # kind: (module, config class, run function returning an object with .table and .summary)
+    "train": ("lab.engine.training", "TrainConfig", "train"),  # RL training (tabular or transformer policies)
+    "distill": ("lab.engine.distill", "DistillConfig", "distil"),  # on-policy distillation from a teacher
+}
 _RENAMED = {"final_expected_reward": "final_reward", "best_expected_reward": "best_reward",
             "first_collapse_update": "first_collapse"}
 
@@ -67,13 +69,30 @@ _RENAMED = {"final_expected_reward": "final_reward", "best_expected_reward": "be
 @dataclass
 class SweepSpec:
     name: str  # used in logs and in sweep.json
-    base: dict  # TrainConfig fields shared by every cell
-    grid: dict  # TrainConfig field -> list of values; the cells are the Cartesian product
+    base: dict  # config fields shared by every cell
+    grid: dict  # config field -> list of values; the cells are the Cartesian product
+    kind: str = "train"  # what a cell runs: a key of CELL_KINDS
+
+
+def cell_kind(kind: str):
+    """(config class, run function) of a cell kind."""
+    import importlib
+
+    if kind not in CELL_KINDS:
+        raise LabError(f"unknown sweep kind {kind!r}; choose one of {', '.join(CELL_KINDS)}")
+    module, config_cls, run = CELL_KINDS[kind]
+    mod = importlib.import_module(module)
+    return getattr(mod, config_cls), getattr(mod, run)
+
+
+def _fields(kind: str) -> set:
+    return {f.name for f in fields(cell_kind(kind)[0])}
 
 
 # ------------------------------------------------------------------------------------------------ specs
 def load_spec(path) -> SweepSpec:
-    """Read a YAML spec with keys ``name``, ``base`` (optional) and ``grid``; LabError on bad input."""
+    """Read a YAML spec with keys ``name``, ``kind`` (optional, default train), ``base`` (optional) and ``grid``;
+    LabError on bad input."""
     path = Path(path)
     if not path.is_file():
         raise LabError(f"sweep spec {path} does not exist; pass a YAML file with keys name, base, grid")
@@ -83,10 +102,12 @@ def load_spec(path) -> SweepSpec:
         raise LabError(f"sweep spec {path} is not valid YAML ({str(e).splitlines()[0]})") from None
     if not isinstance(raw, dict):
         raise LabError(f"sweep spec {path} must be a mapping with keys name, base, grid")
-    unknown = sorted(set(raw) - {"name", "base", "grid"})
+    unknown = sorted(set(raw) - {"name", "kind", "base", "grid"})
     if unknown:
-        raise LabError(f"sweep spec {path} has unknown keys {', '.join(map(str, unknown))}; use name, base, grid")
-    spec = SweepSpec(name=raw.get("name", path.stem), base=raw.get("base") or {}, grid=raw.get("grid") or {})
+        raise LabError(f"sweep spec {path} has unknown keys {', '.join(map(str, unknown))}; use name, kind, base, "
+                       f"grid")
+    spec = SweepSpec(name=raw.get("name", path.stem), base=raw.get("base") or {}, grid=raw.get("grid") or {},
+                     kind=raw.get("kind", "train"))
     _check_spec(spec)
     return spec
 
@@ -98,14 +119,19 @@ def _check_spec(spec: SweepSpec) -> None:
     if not isinstance(spec.name, str) or not _NAME.match(spec.name):
         raise LabError(f"a sweep's name must be a plain folder name (letters, digits, '.', '_', '-'), got "
                        f"{spec.name!r}")
+    if not isinstance(spec.kind, str) or spec.kind not in CELL_KINDS:
+        raise LabError(f"unknown sweep kind {spec.kind!r}; choose one of {', '.join(CELL_KINDS)}")
+    config_cls = cell_kind(spec.kind)[0]
+    names = _fields(spec.kind)
     for part in ("base", "grid"):
         value = getattr(spec, part)
         if not isinstance(value, dict):
-            raise LabError(f"sweep {part} must be a mapping of TrainConfig fields, got {type(value).__name__}")
-        bad = sorted(str(k) for k in value if k not in FIELDS)
+            raise LabError(f"sweep {part} must be a mapping of {config_cls.__name__} fields, got "
+                           f"{type(value).__name__}")
+        bad = sorted(str(k) for k in value if k not in names)
         if bad:
-            raise LabError(f"sweep {part} key(s) {', '.join(bad)} are not TrainConfig fields; "
-                           f"see lab.engine.training.TrainConfig for the fields")
+            raise LabError(f"sweep {part} key(s) {', '.join(bad)} are not {config_cls.__name__} fields; "
+                           f"see {config_cls.__module__}.{config_cls.__name__} for the fields")
     if not spec.grid:
         raise LabError("a sweep needs a grid with at least one key (e.g. grid: {seed: [0, 1]})")
     for key, values in spec.grid.items():
@@ -116,9 +142,9 @@ def _check_spec(spec: SweepSpec) -> None:
         raise LabError(f"key(s) {', '.join(both)} appear in both base and grid; keep each in one of them")
 
 
-def _coerce(name: str, value):
+def _coerce(defaults: dict, name: str, value):
     """Whole numbers (and YAML's '1e-3' strings) given for a float field become floats: one canonical cell."""
-    if isinstance(_DEFAULTS[name], float) and not isinstance(value, bool) and isinstance(value, (int, str)):
+    if isinstance(defaults[name], float) and not isinstance(value, bool) and isinstance(value, (int, str)):
         try:
             return float(value)
         except ValueError:
@@ -126,12 +152,14 @@ def _coerce(name: str, value):
     return value
 
 
-def resolve(config: dict) -> dict:
-    """The full TrainConfig dict for ``config`` (defaults filled in); LabError for keys that are not fields."""
-    bad = sorted(str(k) for k in config if k not in FIELDS)
+def resolve(config: dict, kind: str = "train") -> dict:
+    """The full config dict of ``kind`` for ``config`` (defaults filled in); LabError for keys that are not fields."""
+    config_cls = cell_kind(kind)[0]
+    bad = sorted(str(k) for k in config if k not in _fields(kind))
     if bad:
-        raise LabError(f"{', '.join(bad)} are not TrainConfig fields")
-    return asdict(TrainConfig(**{k: _coerce(k, v) for k, v in config.items()}))
+        raise LabError(f"{', '.join(bad)} are not {config_cls.__name__} fields")
+    defaults = asdict(config_cls())
+    return asdict(config_cls(**{k: _coerce(defaults, k, v) for k, v in config.items()}))
 
 
 def _label(cell: dict, keys) -> str:
@@ -139,17 +167,19 @@ def _label(cell: dict, keys) -> str:
 
 
 def expand(spec: SweepSpec) -> list[dict]:
-    """One resolved TrainConfig dict per cell (grid product in spec order); every cell validated up front."""
+    """One resolved config dict per cell (grid product in spec order); every cell validated up front."""
     _check_spec(spec)
+    config_cls = cell_kind(spec.kind)[0]
     keys = list(spec.grid)
-    cells = [resolve({**spec.base, **dict(zip(keys, combo))}) for combo in itertools.product(*spec.grid.values())]
+    cells = [resolve({**spec.base, **dict(zip(keys, combo))}, spec.kind)
+             for combo in itertools.product(*spec.grid.values())]
     seen = {}
     for i, cell in enumerate(cells):
         try:
-            TrainConfig(**cell).validate()
+            config_cls(**cell).validate()
         except (LabError, TypeError, ValueError) as e:
             raise LabError(f"sweep cell {i} ({_label(cell, keys)}) is invalid: {e}") from None
-        cid = cell_id(cell)
+        cid = cell_id(cell, spec.kind)
         if cid in seen:
             raise LabError(f"sweep cells {seen[cid]} and {i} are the same config; remove repeated grid values")
         seen[cid] = i
@@ -160,9 +190,11 @@ def _canonical(value) -> str:
     return json.dumps(value, sort_keys=True, separators=(",", ":"), default=str)
 
 
-def cell_id(config: dict) -> str:
-    """First 16 hex characters of the sha256 of the resolved config's canonical JSON."""
-    return hashlib.sha256(_canonical(resolve(config)).encode()).hexdigest()[:16]
+def cell_id(config: dict, kind: str = "train") -> str:
+    """First 16 hex characters of the sha256 of the resolved config's canonical JSON (a kind other than train is
+    hashed with it)."""
+    text = _canonical(resolve(config, kind)) if kind == "train" else f"{kind}:{_canonical(resolve(config, kind))}"
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 # ------------------------------------------------------------------------------------------------ running
@@ -179,11 +211,12 @@ def _die_with(driver: int) -> None:
     threading.Thread(target=watch, daemon=True).start()
 
 
-def _train_cell(config: dict) -> dict:
+def _run_cell(kind: str, config: dict) -> dict:
     """Run one cell (in a worker); errors come back as a one-line message, not an exception."""
     torch.set_num_threads(1)  # one thread per worker: no oversubscription, and the same numbers everywhere
     try:
-        result = train(TrainConfig(**config), progress=False)
+        config_cls, run = cell_kind(kind)
+        result = run(config_cls(**config), progress=False)
         return {"table": result.table, "summary": result.summary}
     except Exception as e:  # noqa: BLE001 - reported per cell by the driver
         return {"error": f"{type(e).__name__}: {e}"}
@@ -227,18 +260,18 @@ def _prepare(out: Path, spec: SweepSpec, meta: dict) -> tuple[Path, int]:
     for leftover in cells.glob(".*"):
         shutil.rmtree(leftover, ignore_errors=True)
     tmp = out / ".sweep.json.tmp"
-    write_json(tmp, {"name": spec.name, "base": spec.base, "grid": spec.grid, **meta})
+    write_json(tmp, {"name": spec.name, "kind": spec.kind, "base": spec.base, "grid": spec.grid, **meta})
     os.replace(tmp, out / "sweep.json")
     return cells, lock
 
 
-def _run_local(configs: list[dict], workers: int):
+def _run_local(kind: str, configs: list[dict], workers: int):
     """Yield (index, output) as cells finish, on a forkserver process pool."""
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload(["lab.engine.sweep"])  # workers fork from a server that already imported torch
     pool = ProcessPoolExecutor(max_workers=workers, mp_context=ctx, initializer=_die_with, initargs=(os.getpid(),))
     try:
-        futures = {pool.submit(_train_cell, c): i for i, c in enumerate(configs)}
+        futures = {pool.submit(_run_cell, kind, c): i for i, c in enumerate(configs)}
         pending = set(futures)
         while pending:
             finished, pending = wait(pending, return_when=FIRST_COMPLETED)
@@ -248,7 +281,7 @@ def _run_local(configs: list[dict], workers: int):
         pool.shutdown(wait=True, cancel_futures=True)
 
 
-def _run_ray(configs: list[dict], workers: int | None, address: str | None):
+def _run_ray(kind: str, configs: list[dict], workers: int | None, address: str | None):
     """Yield (index, output) as cells finish, one Ray task per cell, at most ``workers`` in flight."""
     try:
         import ray
@@ -266,14 +299,14 @@ def _run_ray(configs: list[dict], workers: int | None, address: str | None):
         else:
             ray.init(num_cpus=workers, include_dashboard=False, log_to_driver=False)
     try:
-        task = ray.remote(num_cpus=1)(_train_cell)
+        task = ray.remote(num_cpus=1)(_run_cell)
         limit = workers or len(configs)
         todo = list(enumerate(configs))
         refs = {}
         while todo or refs:
             while todo and len(refs) < limit:
                 i, c = todo.pop(0)
-                refs[task.remote(c)] = i
+                refs[task.remote(kind, c)] = i
             [ref], _ = ray.wait(list(refs), num_returns=1)
             yield refs.pop(ref), ray.get(ref)
     finally:
@@ -307,7 +340,7 @@ def run_sweep(spec: SweepSpec, out_dir, executor: str = "local", workers: int | 
                        f"it prints")
     configs = expand(spec)
     out = Path(out_dir)
-    ids = [cell_id(c) for c in configs]
+    ids = [cell_id(c, spec.kind) for c in configs]
     check_writable(out)
     _check_folder(out, spec, ids)
     created = not out.exists()
@@ -322,9 +355,9 @@ def run_sweep(spec: SweepSpec, out_dir, executor: str = "local", workers: int | 
                 pending = [configs[i] for i in todo]
                 n = min(workers or os.cpu_count() or 1, len(todo))
                 if executor == "local":
-                    stream = _run_local(pending, n)
+                    stream = _run_local(spec.kind, pending, n)
                 else:  # on a cluster without --workers, Ray's own scheduling decides how many run at once
-                    stream = _run_ray(pending, None if address and not workers else n, address)
+                    stream = _run_ray(spec.kind, pending, None if address and not workers else n, address)
                 with closing(stream):  # shuts the pool or Ray down now, even if writing a cell fails
                     for j, output in stream:
                         i = todo[j]
@@ -363,12 +396,12 @@ def load_results(out_dir) -> tuple[pd.DataFrame, pd.DataFrame]:
     if not (out / "sweep.json").is_file():
         raise LabError(f"{out} is not a sweep folder (no sweep.json); run `lab sweep SPEC.yaml --out {out}` first")
     meta = json.loads((out / "sweep.json").read_text())
-    spec = SweepSpec(meta["name"], meta["base"] or {}, meta["grid"] or {})
+    spec = SweepSpec(meta["name"], meta["base"] or {}, meta["grid"] or {}, meta.get("kind", "train"))
     keys = list(spec.grid)
     steps, runs = [], []
-    for config in (resolve({**spec.base, **dict(zip(keys, combo))})
+    for config in (resolve({**spec.base, **dict(zip(keys, combo))}, spec.kind)
                    for combo in itertools.product(*spec.grid.values())):
-        cid = cell_id(config)
+        cid = cell_id(config, spec.kind)
         folder = out / "cells" / cid
         if not (folder / "summary.json").is_file():
             continue

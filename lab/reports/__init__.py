@@ -115,6 +115,16 @@ REPORTS: dict[str, Report] = {
         "the figures practitioners report.",
         smoke={"inlab_sizes": ["test", "test_moe"], "inlab_init": "random", "lm": "none", "n_boot": 200},
         headline=mismatch_text.headline),
+    "real_staleness_training": Report(
+        "notebooks/real_staleness_training.ipynb",
+        "VESPO's staleness table in miniature on the lab's transformer: final held-out accuracy and collapse rate of "
+        "each correction as mini-batch staleness N grows to 64, under async lag and a real bf16 / MoE sampler.",
+        smoke={}),
+    "real_distillation": Report(
+        "notebooks/real_distillation.ipynb",
+        "On-policy distillation from a real teacher transformer: reverse KL over steps, gradient variance and cost "
+        "of vanilla OPD, vOPD, full-vocabulary and top-k KL across vocabulary sizes and student-teacher gaps.",
+        smoke={}),
 }
 
 REPORTS.update({lesson.name: Report(lesson.notebook, lesson.description, smoke=lesson.smoke) for lesson in LESSONS})
