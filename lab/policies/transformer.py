@@ -28,7 +28,7 @@ in theta's dtype, float32 or float64, on theta's device.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 import torch.nn as nn
@@ -83,6 +83,15 @@ def size_config(size: str) -> TransformerConfig:
     if size not in SIZES:
         raise LabError(f"unknown model size {size!r}; choose one of {', '.join(SIZES)}")
     return SIZES[size]
+
+
+def env_config(env, size: str | TransformerConfig) -> TransformerConfig:
+    """The config of ``size`` for ``env``: its embedding grown to the env's response vocabulary and prompt ids when
+    they need more token ids than the size has (a task with distractor tokens, V = 10 + d); otherwise ``size``'s."""
+    cfg = size if isinstance(size, TransformerConfig) else size_config(size)
+    table = getattr(env, "prompt_tokens", None)
+    need = max(env.vocab_size, int(table.max()) + 1 if table is not None and table.numel() else 0)
+    return replace(cfg, n_tokens=need) if need > cfg.n_tokens and table is not None else cfg
 
 
 # ---- the network (nanoGPT's model.py, dropout-free, with an optional MoE MLP) ---------------------------------------
@@ -225,8 +234,9 @@ class TransformerPolicy:
     @classmethod
     def for_env(cls, env, size: str | TransformerConfig = "test", initial=None) -> "TransformerPolicy":
         """The policy for ``env``: its prompt table (task envs' ``prompt_tokens``; for a bandit without one, prompt i
-        is the single token V + i), response vocabulary and length."""
-        cfg = size if isinstance(size, TransformerConfig) else size_config(size)
+        is the single token V + i), response vocabulary and length; a task's embedding grows to fit its vocabulary
+        (``env_config``)."""
+        cfg = env_config(env, size)
         if getattr(env, "eos", False):
             raise LabError(f"env {env.name!r} has variable-length responses; the transformer policy needs eos=False")
         table = getattr(env, "prompt_tokens", None)
@@ -307,10 +317,16 @@ class TransformerPolicy:
         return torch.cat([prompt_tokens, tokens.reshape(-1, self.length).to(theta.device)[:, :-1]], dim=1)
 
     # ---- the engine's view: teacher-forced logits in theta's dtype ----
-    def logits(self, theta: torch.Tensor, prompts: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    def logits(self, theta: torch.Tensor, prompts: torch.Tensor, tokens: torch.Tensor, routes=None) -> torch.Tensor:
         """Next-token logits [..., T, V] for prompt ids [...] and responses [..., T]: position t sees the prompt and
-        tokens < t. Computed in theta's dtype on theta's device; works under torch.func vmap and grad."""
-        logits, _, _ = self._run(self.params(theta), self._inputs(theta, prompts, tokens))
+        tokens < t. Computed in theta's dtype on theta's device; works under torch.func vmap and grad. ``routes``
+        [N, n_layer, P + T - 1, k] (an MoE model's, e.g. the sampler's) are replayed: the gradient flows through the
+        gates of the given experts."""
+        if routes is not None:
+            if not self.config.moe:
+                raise LabError("routes can only be replayed by a mixture-of-experts model")
+            routes = routes.to(theta.device)
+        logits, _, _ = self._run(self.params(theta), self._inputs(theta, prompts, tokens), routes=routes)
         return logits[:, self.prompt_length - 1:].reshape(*prompts.shape, self.length, self.vocab_size)
 
     def logits_for(self, theta: torch.Tensor, prompt_tokens: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
@@ -402,4 +418,4 @@ class TransformerPolicy:
                 "vocab_size": self.vocab_size, "prompt_length": self.prompt_length}
 
 
-__all__ = ["SIZES", "GPT", "TransformerConfig", "TransformerPolicy", "parameter_count", "size_config"]
+__all__ = ["SIZES", "GPT", "TransformerConfig", "TransformerPolicy", "env_config", "parameter_count", "size_config"]

@@ -153,16 +153,18 @@ def _run_into(cfg: Config, root: Path, progress: bool | None) -> dict:
     return out
 
 
-def final_scores(runs: pd.DataFrame) -> pd.DataFrame:
-    """``runs`` with two normalised columns: ``final`` (final exact expected reward) and ``collapse`` (bool).
+def final_scores(runs: pd.DataFrame, score: str | None = None) -> pd.DataFrame:
+    """``runs`` with two normalised columns: ``final`` (the final exact expected reward, or the column ``score``) and
+    ``collapse`` (bool).
 
     Accepts the sweep's names (final_reward, collapsed / first_collapse) and the training summary's
     (final_expected_reward, first_collapse_update)."""
     runs = runs.copy()
-    final = next((c for c in ("final_reward", "final_expected_reward") if c in runs), None)
+    final = score if score is not None and score in runs else \
+        next((c for c in ("final_reward", "final_expected_reward") if c in runs and score is None), None)
     if final is None:
-        raise LabError("the runs table has no final reward column (final_reward); load it with "
-                       "lab.engine.sweep.load_results")
+        raise LabError(f"the runs table has no final score column ({score or 'final_reward'}); load it with "
+                       f"lab.engine.sweep.load_results")
     runs["final"] = runs[final].astype(float)
     if "collapsed" in runs:
         runs["collapse"] = runs["collapsed"].fillna(False).astype(bool)
@@ -177,13 +179,14 @@ def final_scores(runs: pd.DataFrame) -> pd.DataFrame:
 
 # ---- aggregation over seeds -----------------------------------------------------------------------------------------
 
-def _cell_rows(f: np.ndarray, collapses: int, x, e: str, n_boot: int, ci: float, rng) -> list[dict]:
+def _cell_rows(f: np.ndarray, collapses: int, x, e: str, n_boot: int, ci: float, rng,
+               label: str = "final_reward") -> list[dict]:
     n = f.size
     rows = []
     v, lo, hi = stats.stratified_bootstrap(f, n_boot=n_boot, ci=ci, rng=rng)
-    rows.append(dict(x=x, estimator=e, metric="final_reward_iqm", value=v, lo=lo, hi=hi, n=n))
+    rows.append(dict(x=x, estimator=e, metric=f"{label}_iqm", value=v, lo=lo, hi=hi, n=n))
     v, lo, hi = stats.stratified_bootstrap(f, lambda a: np.median(a, axis=(-2, -1)), n_boot, ci, rng)
-    rows.append(dict(x=x, estimator=e, metric="final_reward_median", value=v, lo=lo, hi=hi, n=n))
+    rows.append(dict(x=x, estimator=e, metric=f"{label}_median", value=v, lo=lo, hi=hi, n=n))
     v, lo, hi = stats.rate_interval(collapses, n, ci)
     rows.append(dict(x=x, estimator=e, metric="collapse_rate", value=v, lo=lo, hi=hi, n=n))
     return rows
@@ -206,13 +209,14 @@ def _poi_all_row(runs, setting, xs, e, baseline, n_boot, ci, rng) -> list[dict]:
 
 
 def summarise(runs: pd.DataFrame, setting: str, baseline: str | None = None, n_boot: int = 2000, ci: float = 0.95,
-              seed: int = 0) -> pd.DataFrame:
+              seed: int = 0, score: str | None = None, label: str = "final_reward") -> pd.DataFrame:
     """Tidy table, one row per estimator x setting value x metric: columns setting, x, estimator, metric, value, lo,
     hi, n, baseline. Metrics: ``final_reward_iqm`` (IQM over seeds, stratified bootstrap), ``final_reward_median``,
     ``collapse_rate`` (Wilson), ``poi_vs_baseline`` (P(final > baseline's final), bootstrap; its ``baseline`` column
     names the baseline) and, with x = NaN, ``poi_vs_baseline_all``: the same averaged over every setting value
-    (tasks), with runs resampled within each setting."""
-    runs = final_scores(runs)
+    (tasks), with runs resampled within each setting. ``score``: the runs column scored (default the final exact
+    expected reward), named ``label`` in the metrics (``label``_iqm, ``label``_median)."""
+    runs = final_scores(runs, score)
     if setting not in runs:
         raise LabError(f"the runs table has no column {setting!r}; it is not a grid key of this sweep")
     rng = np.random.default_rng(seed)
@@ -227,7 +231,7 @@ def summarise(runs: pd.DataFrame, setting: str, baseline: str | None = None, n_b
             if cell.empty:
                 continue
             f = cell["final"].to_numpy()
-            rows += _cell_rows(f, int(cell["collapse"].sum()), x, e, n_boot, ci, rng)
+            rows += _cell_rows(f, int(cell["collapse"].sum()), x, e, n_boot, ci, rng, label)
             b = _finals(runs, setting, baseline, x) if baseline is not None else np.empty(0)
             if b.size:
                 v, lo, hi = stats.probability_of_improvement(f, b, n_boot, ci, rng)
@@ -273,14 +277,14 @@ def _get(table, study, metric, estimator) -> pd.DataFrame:
     return t.set_index("x")[["value", "lo", "hi"]].sort_index()
 
 
-def summary_table(table: pd.DataFrame) -> dict:
-    """{study: {estimator: {setting key: {final_reward_iqm, collapse_rate: [value, lo, hi]}}}}."""
+def summary_table(table: pd.DataFrame, label: str = "final_reward") -> dict:
+    """{study: {estimator: {setting key: {``label``_iqm, collapse_rate: [value, lo, hi]}}}}."""
     out = {}
     for study in table["study"].unique():
         out[study] = {}
         for e in dict.fromkeys(table[table["study"] == study]["estimator"]):
-            iq, cr = _get(table, study, "final_reward_iqm", e), _get(table, study, "collapse_rate", e)
-            out[study][e] = {setting_key(x): {"final_reward_iqm": [float(v) for v in iq.loc[x]],
+            iq, cr = _get(table, study, f"{label}_iqm", e), _get(table, study, "collapse_rate", e)
+            out[study][e] = {setting_key(x): {f"{label}_iqm": [float(v) for v in iq.loc[x]],
                                               "collapse_rate": [float(v) for v in cr.loc[x]]} for x in iq.index}
     return out
 
@@ -292,12 +296,12 @@ def poi_all(table: pd.DataFrame) -> dict:
             for study, part in t.groupby("study", sort=False)}
 
 
-def paper_comparison(table: pd.DataFrame) -> dict:
+def paper_comparison(table: pd.DataFrame, label: str = "final_reward") -> dict:
     """Per paper estimator present in the sync study: toy IQM at the N of the paper that were swept, the toy's
     and the paper's change from the smallest to the largest shared N, and the ranks at the largest shared N."""
     if "sync" not in set(table["study"]):
         return {}
-    t = table[(table["study"] == "sync") & (table["metric"] == "final_reward_iqm")]
+    t = table[(table["study"] == "sync") & (table["metric"] == f"{label}_iqm")]
     shared = sorted(set(t["x"]) & set(PAPER_N))
     ests = [e for e in PAPER if e in set(t["estimator"])]
     if len(shared) < 2 or not ests:

@@ -1,0 +1,184 @@
+"""RL training of the lab's transformer (lab/engine/training.py with policy="transformer"): the N = 1 identity,
+exact reproduction, real mismatch, bad input, a killed sweep that resumes to the uninterrupted result, and the
+real_staleness_training study's aggregation."""
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from lab.engine.sweep import load_results
+from lab.engine.training import TrainConfig, train
+from lab.errors import LabError
+from lab.studies import real_staleness_training as rs
+
+LAB = Path(sys.executable).parent / "lab"
+TINY = dict(env="chain3", policy="transformer", size="test", warm_start=0.3, rollout_batch=16, group_size=4, steps=3,
+            lr=1e-3)
+RATIO_BASED = ["seq_is", "token_is", "ppo_clip", "tis_token", "tis_seq", "mis_token", "mis_seq", "vespo", "cispo",
+               "gspo", "gmpo", "sapo"]
+
+
+def test_n1_every_ratio_estimator_follows_reinforce_on_the_transformer():
+    # sync, N = 1: the trainer's pi_old and pi are the same full-sequence pass on the same parameters, so every ratio
+    # is exactly 1 and each estimator's gradient is REINFORCE's (SAPO's gate at ratio 1 included). In float64: Adam
+    # divides each gradient component by its own running scale, so in float32 the rounding noise of components whose
+    # gradient is ~1e-7 (a loss written in another order, e.g. GMPO's geometric mean) becomes a step of size lr.
+    base = train(TrainConfig(**TINY, dtype="float64", record_params=True), progress=False)
+    assert (base.table["grad_norm"] > 0).sum() >= 2  # a rollout whose groups all tie has zero advantages
+    assert float((base.params[-1] - base.params[0]).abs().max()) > 1e-4  # the updates move the network
+    for name in RATIO_BASED:
+        run = train(TrainConfig(**TINY, dtype="float64", estimator=name, record_params=True), progress=False)
+        diff = float((run.params - base.params).abs().max())
+        assert diff <= 1e-9, f"{name} departs from reinforce by {diff}"
+    # ... and it can fail: with N = 4 the stale mini-batches make sequence IS differ from REINFORCE
+    stale = dict(TINY, dtype="float64", minibatches=4, rollout_batch=32, record_params=True)
+    a = train(TrainConfig(**stale), progress=False)
+    b = train(TrainConfig(**stale, estimator="seq_is"), progress=False)
+    assert float((a.params - b.params).abs().max()) > 1e-4
+
+
+def test_same_seed_reproduces_a_run_exactly_and_another_seed_differs():
+    cfg = dict(TINY, estimator="vespo", regime="async", minibatches=2, lag_max=2, eta=1, over_stale="requeue")
+    a, b = train(TrainConfig(**cfg), progress=False), train(TrainConfig(**cfg), progress=False)
+    pd.testing.assert_frame_equal(a.table, b.table)
+    c = train(TrainConfig(**cfg, seed=1), progress=False)
+    assert not np.allclose(a.table["loss"], c.table["loss"])
+
+
+def test_task_metrics_are_exact_accuracies():
+    run = train(TrainConfig(**TINY), progress=False)
+    t = run.table
+    assert {"expected_reward", "heldout_accuracy", "kl_to_init_answers", "entropy_answers"} <= set(t.columns)
+    # the warm start's exact accuracy is the checkpoint's own figure (mean_x pi(a*|x) on the training prompts)
+    from lab.pretrain import pretrain
+    import toy_envs
+
+    ck = pretrain(toy_envs.make("chain3"), "test", 0.3, progress=False)
+    assert run.summary["initial_expected_reward"] == pytest.approx(ck.accuracy, abs=1e-6)
+    assert run.summary["initial_heldout_accuracy"] == pytest.approx(ck.heldout_accuracy, abs=1e-6)
+    assert (t["kl_to_init_answers"] > 0).all() and (t["entropy_answers"] > 0).all()
+
+
+def test_a_bf16_sampler_is_a_real_mismatch_and_replay_runs():
+    base = dict(TINY, size="test_moe", regime="mismatch", estimator="tis_seq")
+    fp32 = train(TrainConfig(**base), progress=False).table["mismatch_abs_logprob"]
+    bf16 = train(TrainConfig(**base, sampler_dtype="bfloat16"), progress=False).table["mismatch_abs_logprob"]
+    assert fp32.max() < 1e-5  # a float32 sampler with a KV cache differs from the trainer only by rounding
+    assert bf16.min() > 1e-3  # bfloat16 weights: a mismatch of the size practitioners report
+    replay = train(TrainConfig(**base, sampler_dtype="bfloat16", replay_routes=True), progress=False)
+    assert replay.table["finite"].all()
+
+
+@pytest.mark.parametrize("flags, words", [
+    (["--size", "huge"], "unknown model size"),
+    (["--sampler-dtype", "bfloat16"], "use regime 'mismatch'"),
+    (["--regime", "mismatch", "--replay-routes", "true"], "mixture-of-experts"),
+    (["--env", "tiny_target", "--warm-start", "0.3"], "needs a task env"),
+    (["--env", "chain3_dense"], "exact-match reward"),
+    (["--warm-start", "1.5"], "warm_start"),
+    (["--device", "tpu"], "device"),
+])
+def test_bad_transformer_settings_are_one_line_and_exit_2(tmp_path, flags, words):
+    args = ["train", "--policy", "transformer", "--env", "chain3", "--size", "test", *flags, "--out",
+            str(tmp_path / "run")]
+    out = subprocess.run([str(LAB), *args], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "LAB_QUIET": "1"})
+    assert out.returncode == 2, out.stderr
+    assert words in out.stderr and len(out.stderr.strip().splitlines()) == 1, out.stderr
+    assert not (tmp_path / "run").exists()
+
+
+def test_tabular_runs_refuse_transformer_fields():
+    with pytest.raises(LabError, match="to policy 'transformer' only"):
+        TrainConfig(sampler_dtype="bfloat16").validate()
+
+
+SPEC = """name: real
+base: {env: chain3, policy: transformer, size: test, warm_start: 0.3, steps: 4, rollout_batch: 32, group_size: 4,
+       lr: 0.001, minibatches: 4}
+grid:
+  estimator: [reinforce, vespo]
+  seed: [0, 1, 2]
+"""
+
+
+def test_a_killed_transformer_sweep_resumes_to_the_uninterrupted_result(tmp_path):
+    spec = tmp_path / "real.yaml"
+    spec.write_text(SPEC)
+    env = {**os.environ, "LAB_QUIET": "1"}
+    whole, killed = tmp_path / "whole", tmp_path / "killed"
+    cmd = [str(LAB), "sweep", str(spec), "--workers", "2"]
+    assert subprocess.run([*cmd, "--out", str(whole)], env=env, capture_output=True, timeout=600).returncode == 0
+    driver = subprocess.Popen([*cmd, "--out", str(killed)], env=env, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL)
+    deadline = time.time() + 120
+    while time.time() < deadline and len(list((killed / "cells").glob("[!.]*"))) < 1:
+        time.sleep(0.1)
+    time.sleep(random.Random(0).uniform(0.0, 1.0))  # a point after the first finished cell
+    driver.send_signal(signal.SIGKILL)
+    driver.wait()
+    finished = len(list((killed / "cells").glob("[!.]*")))
+    assert 1 <= finished < 6, f"kill landed with {finished} of 6 cells finished"
+    done = subprocess.run([*cmd, "--out", str(killed)], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    assert f"{finished} already done" in done.stdout and "6 in all" in done.stdout
+    (sa, ra), (sb, rb) = load_results(whole), load_results(killed)
+    assert len(ra) == len(rb) == 6 and rb["cell_id"].is_unique
+    pd.testing.assert_frame_equal(sa, sb)
+    pd.testing.assert_frame_equal(ra.drop(columns=["rollouts"], errors="ignore"),
+                                  rb.drop(columns=["rollouts"], errors="ignore"))
+
+
+def _fake_table(iqms: dict) -> pd.DataFrame:
+    rows = [dict(study="sync", setting="minibatches", x=str(n), estimator=e, metric=f"{rs.LABEL}_iqm", value=v,
+                 lo=lo, hi=hi, n=5, baseline=None) for (e, n), (v, lo, hi) in iqms.items()]
+    return pd.DataFrame(rows)
+
+
+def test_orderings_by_hand():
+    # at the largest N: vespo's interval lies above gspo's (reproduced), sapo's above ppo_clip's (reversed: the paper
+    # has GRPO > SAPO), the rest overlap
+    t = _fake_table({("vespo", 64): (0.5, 0.45, 0.55), ("gspo", 64): (0.3, 0.25, 0.35),
+                     ("ppo_clip", 64): (0.2, 0.15, 0.25), ("sapo", 64): (0.4, 0.3, 0.5),
+                     ("vespo", 4): (0.1, 0.0, 0.2), ("gspo", 4): (0.1, 0.0, 0.2), ("ppo_clip", 4): (0.1, 0.0, 0.2),
+                     ("sapo", 4): (0.1, 0.0, 0.2)})
+    got = {(o["better"], o["worse"]): o["verdict"] for o in rs.orderings(t)}
+    assert got == {("vespo", "gspo"): "reproduced", ("vespo", "ppo_clip"): "reproduced",
+                   ("vespo", "sapo"): "not separated", ("gspo", "sapo"): "not separated",
+                   ("ppo_clip", "sapo"): "reversed"}
+    # the paper's VESPO 61.8 > GRPO 48.6 > GSPO 47.6 > SAPO 16.5 at N = 64: (gspo, ppo_clip) is not a pair it orders
+    # in that direction, (ppo_clip, gspo) is
+    assert ("gspo", "ppo_clip") not in got
+    deg = rs.degradation(t)
+    assert not deg["vespo"]["degrades"]  # it rose
+    t2 = _fake_table({("vespo", 4): (0.5, 0.45, 0.55), ("vespo", 64): (0.2, 0.1, 0.3)})
+    assert rs.degradation(t2)["vespo"]["degrades"]
+
+
+def test_real_staleness_study_runs_small_and_reads_back_its_sweeps(tmp_path):
+    cfg = rs.Config(env="chain3", size="test", estimators=["reinforce", "ppo_clip", "vespo"], minibatches=[1, 4],
+                    seeds=[0, 1], steps=2, rollout_batch=32, group_size=4, etas=[0, 2], sampler_dtypes=["bfloat16"],
+                    replay=[False, True], workers=2, n_boot=100, sweep_dir=str(tmp_path / "sweeps"))
+    res = rs.run(cfg, progress=False)
+    assert set(res.results["study"]) == {"sync", "async", "mismatch"}
+    assert set(res.results[res.results["study"] == "mismatch"]["x"]) == {"bfloat16", "bfloat16+replay"}
+    s = res.summary
+    assert s["setup"]["size"] == "test" and s["setup"]["seeds"] == 2
+    assert [o["better"] for o in s["orderings"]] == ["vespo"] and s["headline"].startswith("At N = 4")
+    # N = 1: every estimator is REINFORCE, so the IQMs agree exactly
+    n1 = {e: v["1"][f"{rs.LABEL}_iqm"][0] for e, v in s["table"]["sync"].items()}
+    assert max(n1.values()) - min(n1.values()) < 1e-9
+    again = rs.run(rs.Config(results=str(tmp_path / "sweeps"), n_boot=100), progress=False)
+    pd.testing.assert_frame_equal(again.results, res.results)
+    assert again.summary["setup"]["source"].startswith("the sweeps in")
+    with pytest.raises(LabError, match="does not exist"):
+        rs.Config(results=str(tmp_path / "nothing")).validate()
