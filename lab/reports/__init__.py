@@ -119,7 +119,9 @@ REPORTS: dict[str, Report] = {
         "notebooks/real_staleness_training.ipynb",
         "VESPO's staleness table in miniature on the lab's transformer: final held-out accuracy and collapse rate of "
         "each correction as mini-batch staleness N grows to 64, under async lag and a real bf16 / MoE sampler.",
-        smoke={}),
+        smoke={"env": "chain3", "size": "test", "estimators": ["reinforce", "ppo_clip", "vespo"], "minibatches": [1, 4],
+               "seeds": [0, 1], "steps": 2, "rollout_batch": 32, "group_size": 4, "etas": [0, 2],
+               "sampler_dtypes": ["bfloat16"], "replay": [False, True], "n_boot": 200}),
     "real_distillation": Report(
         "notebooks/real_distillation.ipynb",
         "On-policy distillation from a real teacher transformer: reverse KL over steps, gradient variance and cost "

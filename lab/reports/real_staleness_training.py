@@ -42,11 +42,24 @@ def headline(summary: dict) -> str:
 
 def _setup(summary: dict) -> str:
     s = summary["setup"]
-    return (f"**Setup.** `{s['env']}` ({s['task']}: {s['length']}-token answers, {s['n_prompts']} training and "
-            f"{s['n_heldout']} held-out prompts), the lab's `{s['size']}` transformer ({s['parameters']:,} parameters) "
+    return (f"**Setup.** `{s['env']}` ({s['task']}; {s['length']}-token answers, {s['n_prompts']} training "
+            f"prompts), the lab's `{s['size']}` transformer ({s['parameters']:,} parameters) "
             f"from a supervised warm start at held-out accuracy {s['initial_heldout_accuracy']:.2f}, {s['seeds']} seeds "
             f"per cell. Score: the exact held-out accuracy mean_x π(a*(x)|x) after the last update (IQM over seeds, "
             f"95% stratified-bootstrap interval). Shown: {s['source']}.")
+
+
+def _apart(a: list, b: list) -> bool:
+    """Two [value, lo, hi] whose intervals do not overlap."""
+    return a[1] > b[2] or b[1] > a[2]
+
+
+def _spread(at: dict) -> str:
+    """'highest e v [..], lowest f v [..]' with whether the seeds separate them."""
+    ranked = sorted(at, key=lambda e: -at[e][IQM][0])
+    hi, lo = ranked[0], ranked[-1]
+    sep = "intervals apart" if _apart(at[hi][IQM], at[lo][IQM]) else "intervals overlap: not separated"
+    return f"highest {hi} {_iv(at[hi][IQM])}, lowest {lo} {_iv(at[lo][IQM])} ({sep})"
 
 
 def _sync_lines(summary: dict) -> list[str]:
@@ -57,13 +70,13 @@ def _sync_lines(summary: dict) -> list[str]:
     lo_x, hi_x = xs[0], xs[-1]
     at_hi, at_lo = _at(summary, "sync", hi_x), _at(summary, "sync", lo_x)
     ranked = sorted(at_hi, key=lambda e: -at_hi[e][IQM][0])
-    best, worst = ranked[0], ranked[-1]
     deg = summary["degradation"]
     held = [e for e in ranked if not deg[e]["degrades"]]
     fell = [e for e in ranked if deg[e]["degrades"]]
-    lines = [f"- **Where staleness matters most, N = {hi_x}:** best {best} {_iv(at_hi[best][IQM])}, worst {worst} "
-             f"{_iv(at_hi[worst][IQM])} held-out accuracy (at N = {lo_x}: {best} {_iv(at_lo[best][IQM])}). "
-             f"Collapse rate there: " + ", ".join(f"{e} {at_hi[e]['collapse_rate'][0]:.0%}" for e in ranked) + "."]
+    n_lo = " and ".join(sorted({_iv(at_lo[e][IQM]) for e in at_lo}))
+    lines = [f"- **At the largest staleness, N = {hi_x}**, held-out accuracy: {_spread(at_hi)}; at N = {lo_x}: "
+             f"{n_lo}. Collapse rate at N = {hi_x}: "
+             + ", ".join(f"{e} {at_hi[e]['collapse_rate'][0]:.0%}" for e in ranked) + "."]
     lines.append(f"- **Degraded from N = {lo_x} to N = {hi_x}** (intervals apart): {', '.join(fell) or 'none'}; "
                  f"held within the seeds' resolution: {', '.join(held) or 'none'}.")
     if "reinforce" in at_hi:
@@ -78,14 +91,11 @@ def _regime_line(summary: dict, study: str) -> str:
     if not table:
         return ""
     xs = _order(next(iter(table.values())))
-    parts = []
-    for x in xs:
-        at = _at(summary, study, x)
-        best = max(at, key=lambda e: at[e][IQM][0])
-        worst = min(at, key=lambda e: at[e][IQM][0])
-        parts.append(f"{x}: {best} {_iv(at[best][IQM])} … {worst} {_iv(at[worst][IQM])}")
-    name = {"async": "Asynchronous lag (η)", "mismatch": "Mismatched sampler"}[study]
-    return f"- **{name}**, best … worst per setting: " + "; ".join(parts) + "."
+    size = summary.get("mismatch_size", {})
+    parts = [f"{x}" + (f" (mean |log π_old - log μ| {size[x]:.2g} per token)" if x in size else "")
+             + f": {_spread(_at(summary, study, x))}" for x in xs]
+    name = {"async": "Asynchronous lag, per bound η", "mismatch": "Mismatched sampler, per setting"}[study]
+    return f"- **{name}:** " + "; ".join(parts) + "."
 
 
 def orderings_text(summary: dict) -> str:
@@ -98,7 +108,7 @@ def orderings_text(summary: dict) -> str:
             f"{_iv([o['miniature'][0], *o['intervals'][0]])} vs {o['worse']} {_iv([o['miniature'][1], *o['intervals'][1]])}):"
             f" **{o['verdict']}**" for o in orders]
     rep = sum(o["verdict"] == "reproduced" for o in orders)
-    return (f"Of the paper's {len(orders)} pairwise orderings at its largest staleness, the miniature reproduces "
+    return (f"Of the paper's {len(orders)} pairwise ordering{'s' if len(orders) != 1 else ''} at its largest staleness, the miniature reproduces "
             f"{rep}, reverses {sum(o['verdict'] == 'reversed' for o in orders)} and cannot separate "
             f"{sum(o['verdict'] == 'not separated' for o in orders)} (95% intervals overlap):\n\n" + "\n".join(rows))
 
@@ -121,7 +131,7 @@ def paper_table(summary: dict) -> pd.DataFrame:
                 if f"N={n}" in row:
                     row[f"N={n}"] += f"  (paper {v:.0f}%)"
         rows.append(row)
-    return pd.DataFrame(rows).set_index("estimator") if rows else pd.DataFrame()
+    return pd.DataFrame(rows)
 
 
 # ---- figures --------------------------------------------------------------------------------------------------------
