@@ -183,3 +183,32 @@ def test_real_staleness_study_runs_small_and_reads_back_its_sweeps(tmp_path):
     assert again.summary["setup"]["source"].startswith("the sweeps in")
     with pytest.raises(LabError, match="does not exist"):
         rs.Config(results=str(tmp_path / "nothing")).validate()
+
+
+@pytest.mark.parametrize("text, words", [
+    ("name: x\nkind: nope\ngrid: {seed: [0]}\n", "unknown sweep kind 'nope'"),
+    ("name: x\nbase: {policy: transformer, env: chain3}\ngrid: {size: [test, huge]}\n", "unknown model size"),
+    ("name: x\nbase: {policy: transformer, env: chain3, size: test}\ngrid: {sampler_dtype: [bfloat16]}\n",
+     "use regime 'mismatch'"),
+    ("name: x\nbase: {policy: transformer, env: chain3, size: test}\ngrid: {teacher: [a]}\n", "not TrainConfig fields"),
+])
+def test_bad_transformer_sweep_specs_are_one_line_and_exit_2(tmp_path, text, words):
+    spec = tmp_path / "bad.yaml"
+    spec.write_text(text)
+    out = subprocess.run([str(LAB), "sweep", str(spec), "--out", str(tmp_path / "run")], capture_output=True,
+                         text=True, timeout=120, env={**os.environ, "LAB_QUIET": "1"})
+    assert out.returncode == 2 and words in out.stderr and len(out.stderr.strip().splitlines()) == 1, out.stderr
+    assert not (tmp_path / "run").exists()
+
+
+def test_sweep_device_flag_overrides_the_base_and_is_refused_where_it_cannot_apply(tmp_path):
+    spec = tmp_path / "s.yaml"
+    spec.write_text("name: s\nbase: {policy: transformer, env: chain3, size: test}\ngrid: {device: [cpu]}\n")
+    out = subprocess.run([str(LAB), "sweep", str(spec), "--device", "cpu", "--out", str(tmp_path / "run")],
+                         capture_output=True, text=True, timeout=120, env={**os.environ, "LAB_QUIET": "1"})
+    assert out.returncode == 2 and "--device" in out.stderr, out.stderr
+    spec.write_text("name: s\nbase: {policy: transformer, env: chain3, size: test}\ngrid: {seed: [0]}\n")
+    out = subprocess.run([str(LAB), "sweep", str(spec), "--device", "tpu", "--out", str(tmp_path / "run")],
+                         capture_output=True, text=True, timeout=120, env={**os.environ, "LAB_QUIET": "1"})
+    assert out.returncode == 2 and "device" in out.stderr and len(out.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "run").exists()
