@@ -79,6 +79,11 @@ def _sync_lines(summary: dict) -> list[str]:
              + ", ".join(f"{e} {at_hi[e]['collapse_rate'][0]:.0%}" for e in ranked) + "."]
     lines.append(f"- **Degraded from N = {lo_x} to N = {hi_x}** (intervals apart): {', '.join(fell) or 'none'}; "
                  f"held within the seeds' resolution: {', '.join(held) or 'none'}.")
+    kl = {e: d["final_kl_to_init_median"] for e, d in deg.items() if "final_kl_to_init_median" in d}
+    if kl:
+        lines.append(f"- **How far each moved** from the warm start by N = {hi_x} (median final KL per token at the "
+                     f"answers' states): " + ", ".join(f"{e} {kl[e]:.2g}" for e in sorted(kl, key=kl.get))
+                     + " (lower: nearer the warm start).")
     if "reinforce" in at_hi:
         better = [e for e in ranked if e != "reinforce" and at_hi[e][IQM][1] > at_hi["reinforce"][IQM][2]]
         lines.append(f"- **Against no correction (REINFORCE on stale samples) at N = {hi_x}:** clearly better: "
