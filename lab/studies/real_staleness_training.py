@@ -45,7 +45,7 @@ import pandas as pd
 
 import toy_envs
 from lab import estimators as registry
-from lab.engine.sweep import EXECUTORS, SweepSpec, expand, load_results, run_sweep
+from lab.engine.sweep import SweepSpec, load_results, run_sweep
 from lab.errors import LabError
 from lab.policies.transformer import parameter_count, size_config
 from lab.studies import StudyResult
@@ -142,19 +142,7 @@ class Config:
                 raise LabError(f"results folder {self.results} does not exist; run the sweeps into it first "
                                f"(see sweeps/real_staleness_*.yaml)")
             return
-        if not self.estimators or not self.seeds:
-            raise LabError("give at least one estimator and one seed")
-        if self.baseline is not None and self.baseline not in self.estimators:
-            raise LabError(f"baseline {self.baseline!r} is not among the estimators ({', '.join(self.estimators)})")
-        if self.executor not in EXECUTORS:
-            raise LabError(f"unknown executor {self.executor!r}; choose one of {', '.join(EXECUTORS)}")
-        if not isinstance(self.n_boot, int) or self.n_boot < 10:
-            raise LabError(f"n_boot must be a whole number of at least 10, got {self.n_boot!r}")
-        specs = self.specs()
-        if not specs:
-            raise LabError("every study is switched off; give minibatches, etas or sampler_dtypes")
-        for spec in specs.values():
-            expand(spec)  # validates every cell
+        st.validate_sweeps(self, "minibatches, etas or sampler_dtypes")
 
 
 # ---- sweeps ---------------------------------------------------------------------------------------------------------

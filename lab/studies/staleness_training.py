@@ -120,19 +120,25 @@ class Config:
         return specs
 
     def validate(self) -> None:
-        if not self.estimators or not self.seeds:
-            raise LabError("give at least one estimator and one seed")
-        if self.baseline is not None and self.baseline not in self.estimators:
-            raise LabError(f"baseline {self.baseline!r} is not among the estimators ({', '.join(self.estimators)})")
-        if self.executor not in EXECUTORS:
-            raise LabError(f"unknown executor {self.executor!r}; choose one of {', '.join(EXECUTORS)}")
-        if not isinstance(self.n_boot, int) or self.n_boot < 10:
-            raise LabError(f"n_boot must be a whole number of at least 10, got {self.n_boot!r}")
-        specs = self.specs()
-        if not specs:
-            raise LabError("every study is switched off; give minibatches, etas or noise_levels")
-        for spec in specs.values():
-            expand(spec)  # validates every cell
+        validate_sweeps(self, "minibatches, etas or noise_levels")
+
+
+def validate_sweeps(cfg, knobs: str) -> None:
+    """Checks shared by the training-sweep studies' configs (estimators, seeds, baseline, executor, n_boot), then
+    every cell of every sweep; ``knobs`` names the settings lists that switch the studies on."""
+    if not cfg.estimators or not cfg.seeds:
+        raise LabError("give at least one estimator and one seed")
+    if cfg.baseline is not None and cfg.baseline not in cfg.estimators:
+        raise LabError(f"baseline {cfg.baseline!r} is not among the estimators ({', '.join(cfg.estimators)})")
+    if cfg.executor not in EXECUTORS:
+        raise LabError(f"unknown executor {cfg.executor!r}; choose one of {', '.join(EXECUTORS)}")
+    if not isinstance(cfg.n_boot, int) or cfg.n_boot < 10:
+        raise LabError(f"n_boot must be a whole number of at least 10, got {cfg.n_boot!r}")
+    specs = cfg.specs()
+    if not specs:
+        raise LabError(f"every study is switched off; give {knobs}")
+    for spec in specs.values():
+        expand(spec)  # validates every cell
 
 
 # ---- sweeps ---------------------------------------------------------------------------------------------------------
