@@ -38,7 +38,8 @@ import toy_envs
 from lab.errors import LabError
 from lab.runs import cache_dir
 from lab.policies import transformer
-from lab.policies.transformer import SIZES, TransformerPolicy, parameter_count, size_config
+from lab.policies.transformer import (SIZES, TransformerConfig, TransformerPolicy, env_config, parameter_count,
+                                      size_config)
 from lab.progress import bar
 from lab.seeding import generator
 
@@ -88,7 +89,7 @@ def _check(env, size: str, target_accuracy: float, max_steps: int, device: str):
 def run_config(env, size: str, target_accuracy: float, seed: int, device: str) -> dict:
     """Everything the warm start's result depends on (hashed into the cache key)."""
     task = {k: v for k, v in dataclasses.asdict(env).items() if k not in ("name", "description", "reward")}
-    return {"format": FORMAT, "task": task, "size": size, "model": dataclasses.asdict(size_config(size)),
+    return {"format": FORMAT, "task": task, "size": size, "model": dataclasses.asdict(env_config(env, size)),
             "target_accuracy": float(target_accuracy), "seed": int(seed), "device": torch.device(device).type,
             "torch": str(torch.__version__), "code": code_version()}
 
@@ -191,7 +192,7 @@ def load(path: Path, config: dict | None = None) -> Checkpoint:
         raise LabError(bad)
     stored = record["config"]
     try:
-        n = parameter_count(size_config(stored["size"]))
+        n = parameter_count(TransformerConfig(**stored["model"]))
     except (LabError, KeyError, TypeError):
         raise LabError(bad) from None
     if record["theta"].shape != (n,) or not torch.isfinite(record["theta"]).all():

@@ -1,8 +1,9 @@
 """Synthetic tasks with verifiable rewards, written in a character-level vocabulary, as lab environments.
 
 Vocabulary (``TOKENIZER``, 13 ids): the digits "0".."9" are ids 0..9, then "+" (10), "=" (11), "," (12). Responses
-are digits only, so an env's response vocabulary is V = 10 (ids 0..9) and a response of T tokens has 10^T
-possible values; prompts use every id. Each task has a fixed prompt length P and answer length T:
+are digits only, so an env's response vocabulary is V = 10 (ids 0..9; larger with ``distractors``, below) and a
+response of T tokens has 10^T possible values; prompts use every id. Each task has a fixed prompt length P and
+answer length T:
 
 - ``addition`` (difficulty d, digits per operand): "47+05=" -> "052": a + b with both operands zero-padded to d
   digits and the sum to d + 1 digits. P = 2d + 2, T = d + 1, 10^(2d) problems.
@@ -10,6 +11,14 @@ possible values; prompts use every id. Each task has a fixed prompt length P and
   10^L problems.
 - ``chain`` (difficulty k, steps): "3+4+5+1=" -> "723": running sums mod 10, s_i = (a_0 + ... + a_i) mod 10 for
   i = 1..k; each answer digit needs the one before it (multi-step). P = 2k + 2, T = k, 10^(k+1) problems.
+
+Vocabulary size (``distractors``, default 0). A task's response vocabulary is the first V token ids, V = 10 +
+``distractors``: with d > 0 the digits are joined by d wrong tokens, first the prompt's symbols "+", "=", ","
+(ids 10..12), then fresh ids 13.. that appear in no prompt (decoded as "#"). No answer ever holds one, so a model
+trained on the task learns to put almost no probability on them, as a language model puts almost none on most of
+its vocabulary; only the size of the space the policy spreads its mass over changes. This is how the lab varies V on
+a real task without changing the task itself (the on-policy distillation study, ``lab.engine.distill``). A model of
+the task needs max(13, V) token ids (``lab.policies.transformer.env_config`` grows the embedding to fit).
 
 Each env holds ``n_prompts`` training prompts and ``n_heldout`` held-out prompts, disjoint, drawn without
 replacement with the env's ``seed`` (held-out first, so the held-out set does not move when ``n_prompts``
@@ -98,9 +107,9 @@ class Task:
     reward: str = "target"
     seed: int = 0
     description: str = ""
+    distractors: int = 0  # wrong tokens added to the response vocabulary (see the module doc): V = 10 + distractors
 
     eos = False
-    vocab_size = 10  # the response vocabulary: the digits
 
     def __post_init__(self):
         if self.task not in TASKS:
@@ -111,6 +120,8 @@ class Task:
             value = getattr(self, field)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise LabError(f"env field {field} must be a positive integer, got {value!r}")
+        if not isinstance(self.distractors, int) or isinstance(self.distractors, bool) or self.distractors < 0:
+            raise LabError(f"env field distractors must be a non-negative integer, got {self.distractors!r}")
         if not isinstance(self.n_heldout, int) or self.n_heldout < 0:
             raise LabError(f"env field n_heldout must be a non-negative integer, got {self.n_heldout!r}")
         if self.difficulty > 8:
@@ -120,6 +131,11 @@ class Task:
                            f"than n_prompts + n_heldout = {self.n_prompts + self.n_heldout:,}")
 
     # ---- sizes ----
+    @property
+    def vocab_size(self) -> int:
+        """V, the response vocabulary: the 10 digits and the distractors."""
+        return 10 + self.distractors
+
     @property
     def length(self) -> int:
         """T, the answer length."""
@@ -235,6 +251,9 @@ class Task:
         return self.expected_reward(prompts, tokens, mask)
 
     def decode(self, tokens) -> str | list[str]:
+        tokens = torch.as_tensor(tokens)
+        if self.distractors and tokens.numel() and int(tokens.max()) >= TOKENIZER.size:  # fresh ids: "#"
+            return CharTokenizer(TOKENIZER.chars + "#" * (self.vocab_size - TOKENIZER.size)).decode(tokens)
         return TOKENIZER.decode(tokens)
 
 
@@ -273,7 +292,8 @@ def _described(t: Task) -> Task:
              "chain": f"{d}-step running sums mod 10"}[t.task]
     example = f"{TOKENIZER.decode(t.prompt_tokens[0])}{TOKENIZER.decode(t.answers[0])}"
     credit = "exact match" if t.reward == "target" else "per-position partial credit"
-    return dataclasses.replace(t, description=f"{words}, e.g. {example}; {credit}; {t.n_heldout} held out")
+    extra = f"; V = {t.vocab_size} ({t.distractors} distractor tokens)" if t.distractors else ""
+    return dataclasses.replace(t, description=f"{words}, e.g. {example}; {credit}; {t.n_heldout} held out{extra}")
 
 
 def _preset(name, task, difficulty, n_prompts, reward="target"):
