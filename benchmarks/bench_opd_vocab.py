@@ -27,7 +27,6 @@ exactly by the baseline term.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
@@ -38,6 +37,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+
+from benchmarks.common import finish, load, sync  # noqa: E402
 
 from lab import estimators  # noqa: E402
 from lab.estimators.distillation import reverse_kl  # noqa: E402
@@ -74,13 +75,6 @@ def parse(argv=None):
     return a
 
 
-def load() -> str:
-    try:
-        return " ".join(f"{x:.2f}" for x in os.getloadavg())
-    except OSError:
-        return "n/a"
-
-
 def make_inputs(B: int, T: int, V: int, seed: int, device: str) -> dict:
     g = torch.Generator().manual_seed(seed)
     logits = 2.0 * torch.randn(B, T, V, generator=g)
@@ -103,11 +97,6 @@ def step(name: str, data: dict, hyper: dict) -> tuple[torch.Tensor, torch.Tensor
                       loss_agg_mode="token-mean", **hyper, **{k: extra[k] for k in info.inputs})
     (g,) = torch.autograd.grad(loss, logits)
     return loss.detach(), g
-
-
-def sync(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
 
 
 def timed(name: str, data: dict, hyper: dict, repeats: int, device: str) -> list[float]:
@@ -204,17 +193,7 @@ def main(argv=None) -> int:
     print(f"  at V = {big['V']}: vOPD costs {big['ratio_to_opd']['vopd']:.2f}x vanilla OPD, the top-{p.k} baseline "
           f"{big['ratio_to_opd']['vopd_topk']:.2f}x, full-vocabulary KL {big['ratio_to_opd']['kl_full']:.2f}x, "
           f"top-{p.k} KL {big['ratio_to_opd']['kl_topk']:.2f}x (estimator cost only, same run, same tensors)")
-    meta["load_end"], meta["wall_s"], meta["all_ok"] = load(), time.perf_counter() - t_start, all_ok
-    print(f"\nload average at end: {meta['load_end']}; wall time {meta['wall_s']:.0f} s")
-    if p.json:
-        Path(p.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(p.json).write_text(json.dumps({"meta": meta, "checks": check_rows, "rows": rows}, indent=1))
-        print(f"numbers written to {p.json}")
-    if not all_ok:
-        print("FAIL: a check failed (rows marked FAIL)")
-        return 1
-    print("all checks passed")
-    return 0
+    return finish(meta, t_start, check_rows, rows, p.json, all_ok)
 
 
 if __name__ == "__main__":

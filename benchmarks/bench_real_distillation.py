@@ -23,7 +23,6 @@ the same gradient as their full-vocabulary versions on the same batch (to float3
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
@@ -34,6 +33,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+
+from benchmarks.common import finish, load  # noqa: E402
 
 from lab.engine.distill import DIGITS, FAMILY, DistillConfig, Run, random_setup  # noqa: E402
 
@@ -64,13 +65,6 @@ def parse(argv=None):
     if a.device.startswith("cuda") and not torch.cuda.is_available():
         p.error("--device cuda asked for, but torch sees no GPU")
     return a
-
-
-def load() -> str:
-    try:
-        return " ".join(f"{x:.2f}" for x in os.getloadavg())
-    except OSError:
-        return "n/a"
 
 
 def config(p, V: int, estimator: str, k: int | None = None) -> DistillConfig:
@@ -159,17 +153,7 @@ def main(argv=None) -> int:
           f"{big['step_ratio']['vopd_topk']:.2f}x, full-vocabulary KL {big['step_ratio']['kl_full']:.2f}x, top-{p.k} "
           f"KL {big['step_ratio']['kl_topk']:.2f}x; OPD's step is {share['sample_s']:.0%} sampling, "
           f"{share['teacher_s']:.0%} teacher, {share['update_s']:.0%} update")
-    meta["load_end"], meta["wall_s"], meta["all_ok"] = load(), time.perf_counter() - t_start, all_ok
-    print(f"\nload average at end: {meta['load_end']}; wall time {meta['wall_s']:.0f} s")
-    if p.json:
-        Path(p.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(p.json).write_text(json.dumps({"meta": meta, "checks": check_rows, "rows": rows}, indent=1))
-        print(f"numbers written to {p.json}")
-    if not all_ok:
-        print("FAIL: a check failed (rows marked FAIL)")
-        return 1
-    print("all checks passed")
-    return 0
+    return finish(meta, t_start, check_rows, rows, p.json, all_ok)
 
 
 if __name__ == "__main__":

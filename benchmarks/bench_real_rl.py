@@ -32,26 +32,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
+from benchmarks.common import matmul_rate, sync  # noqa: E402
+
 import lab.engine.training as training  # noqa: E402
 from lab.policies.transformer import size_config, parameter_count  # noqa: E402
-
-
-def matmul_rate(device: str, n: int = 1024, repeats: int = 20) -> float:
-    """float32 FLOP/s of an n x n matmul, best of ``repeats``."""
-    a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
-    best = float("inf")
-    for _ in range(repeats):
-        sync(device)
-        t = time.perf_counter()
-        a @ b
-        sync(device)
-        best = min(best, time.perf_counter() - t)
-    return 2 * n**3 / best
-
-
-def sync(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
 
 
 class Timers:

@@ -28,14 +28,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
+from benchmarks.common import load  # noqa: E402
+
 from lab.engine.training import TrainConfig, train  # noqa: E402
 
 ESTIMATORS = ["reinforce", "ppo_clip", "seq_is", "token_is", "tis_token", "mis_seq", "cispo", "gspo", "gmpo",
               "sapo", "vespo", "gvpo"]
-
-
-def load() -> str:
-    return " ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
 def time_run(cfg: TrainConfig) -> float:

@@ -31,6 +31,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
+from benchmarks.common import matmul_rate, sync  # noqa: E402
+
 import toy_envs  # noqa: E402
 from lab import advantages as adv_mod  # noqa: E402
 from lab.engine.batches import draw_batches  # noqa: E402
@@ -40,11 +42,6 @@ from lab.policies import make_policy  # noqa: E402
 
 TOL = 1e-6
 ENV = "add2"
-
-
-def sync(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
 
 
 def timed(fn, device: str, repeats: int = 3) -> float:
@@ -131,12 +128,6 @@ def sampling(p, results) -> None:
                                         "recompute_tokens_s": rates[False]})
             print(f"{size:<8}{str(dtype).split('.')[-1]:<10}{rates[True]:>12,.0f}{rates[False]:>12,.0f}"
                   f"{rates[True] / rates[False]:>16.2f}x")
-
-
-def matmul_rate(device: str, n: int) -> float:
-    a = torch.randn(n, n, device=device)
-    b = torch.randn(n, n, device=device)
-    return 2 * n**3 / timed(lambda: a @ b, device, repeats=5)
 
 
 def training(p, results) -> None:

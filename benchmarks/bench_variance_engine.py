@@ -31,6 +31,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
+from benchmarks.common import load  # noqa: E402
+
 import toy_envs  # noqa: E402
 from lab import advantages as adv_mod  # noqa: E402
 from lab import estimators  # noqa: E402
@@ -272,10 +274,6 @@ def parse(argv=None):
         p.sweeps = {"V": [2, 4, 8, 16], "T": [2, 4, 6, 8], "B": [8, 16, 32, 64, 128, 256],
                     "M": [125, 250, 500, 1000, 2000]}
     return p
-
-
-def load() -> str:
-    return " ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
 def main(argv=None) -> int:
