@@ -1,4 +1,5 @@
-"""Estimators against values computed by hand from the formulas in shared/REFERENCE.md."""
+"""Estimators against values computed by hand from the published formulas (each estimator's docstring cites its paper
+and the authors' code)."""
 import math
 
 import pytest

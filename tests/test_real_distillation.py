@@ -16,6 +16,7 @@ from lab.engine.sweep import SweepSpec, load_results, run_sweep
 from lab.errors import LabError
 from lab.policies import log_probs_of
 from lab.policies.transformer import TransformerPolicy, size_config
+from lab.reports import real_distillation as report
 from lab.studies import real_distillation as rd
 from lab.studies.distillation import expected_estimate, per_token_target
 
@@ -186,7 +187,18 @@ def test_distill_sweep_runs_resumes_and_equals_in_process_runs(cache, tmp_path):
     pd.testing.assert_frame_equal(stable(theirs[mine.columns]), stable(mine), check_dtype=False)
 
     result, summary = rd.run(rd.Config(results=str(out), n_boot=200))  # the study on the sweep's folder
-    assert str(out) in summary["source"] and summary["runs"] == 4 and summary["headline"]
+    assert str(out) in summary["source"] and summary["runs"] == 4
+    # the report's text prints the summary's numbers: the setting where the baseline matters, its interval
+    (setting,) = summary["settings"]
+    r = setting["var_reduction"]["vopd"]
+    assert report.headline(summary).startswith(f"vOPD's baseline cuts vanilla OPD's gradient variance by "
+                                               f"{r['value']:.2g}x [{r['lo']:.2g}, {r['hi']:.2g}] at V = 10 from a "
+                                               f"random student (value share {setting['value_share']:.0%})")
+    opening = report.opening(summary)
+    assert "**This report shows a sweep's results folder**" in opening and "(2 of them finished" not in opening
+    assert f"divides vanilla OPD's gradient variance by {r['value']:.2g} [{r['lo']:.2g}, {r['hi']:.2g}]**" in opening
+    word = {"helps": "lowers", "hurts": "RAISES", "unresolved": "does not measurably change"}[setting["verdict"]]
+    assert f"the baseline {word} the variance" in report.answer(summary)
     probes = steps.dropna(subset=["gvar"])
     want = probes["gvar_opd"].sum() / probes["gvar_vopd"].sum()  # pooled over every probe of every run
     got = rd.pick(result, "variance", "var_reduction", "vopd", 10, 0.0)

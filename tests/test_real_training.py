@@ -18,6 +18,7 @@ import pytest
 from lab.engine.sweep import load_results
 from lab.engine.training import TrainConfig, train
 from lab.errors import LabError
+from lab.reports import real_staleness_training as rst
 from lab.studies import real_staleness_training as rs
 
 LAB = Path(sys.executable).parent / "lab"
@@ -162,6 +163,21 @@ def test_orderings_by_hand():
     assert rs.degradation(t2)["vespo"]["degrades"]
 
 
+def test_headline_and_orderings_text_say_what_the_orderings_say():
+    t = _fake_table({("vespo", 64): (0.5, 0.45, 0.55), ("gspo", 64): (0.3, 0.25, 0.35),
+                     ("ppo_clip", 64): (0.2, 0.15, 0.25), ("sapo", 64): (0.4, 0.3, 0.5)})
+    s = {"orderings": rs.orderings(t)}
+    hl = rst.headline(s)
+    assert hl.startswith("At N = 64: reproduced ") and "reversed sapo > ppo_clip" in hl
+    assert "vespo > gspo" in hl and "vespo > ppo_clip" in hl and hl.endswith("3 of 6 paper orderings not separated "
+                                                                            "by the seeds")
+    text = rst.orderings_text(s)
+    assert "reproduces 2, reverses 1 and cannot separate 3" in text
+    assert "VESPO > GSPO (paper at N = 64: 62% vs 48%; miniature at N = 64: vespo 0.50 [0.45, 0.55] vs gspo 0.30 " \
+           "[0.25, 0.35]): **reproduced**" in text
+    assert rst.headline({"orderings": []}).startswith("fewer than two")
+
+
 def test_real_staleness_study_runs_small_and_reads_back_its_sweeps(tmp_path):
     cfg = rs.Config(env="chain3", size="test", estimators=["reinforce", "ppo_clip", "vespo"], minibatches=[1, 4],
                     seeds=[0, 1], steps=2, rollout_batch=32, group_size=4, etas=[0, 2], sampler_dtypes=["bfloat16"],
@@ -172,7 +188,17 @@ def test_real_staleness_study_runs_small_and_reads_back_its_sweeps(tmp_path):
     assert set(mm["x"]) == {"bfloat16", "bfloat16+replay"}
     s = res.summary
     assert s["setup"]["size"] == "test" and s["setup"]["seeds"] == 2
-    assert [o["better"] for o in s["orderings"]] == ["vespo"] and s["headline"].startswith("At N = 4")
+    assert [o["better"] for o in s["orderings"]] == ["vespo"]
+    # the report's text prints the summary's numbers, at the largest staleness
+    assert rst.headline(s).startswith("At N = 4: ")
+    text, at4 = rst.answer(s), s["table"]["sync"]
+    assert "**At the largest staleness, N = 4**" in text and "Shown: the sweeps in" not in text
+    assert all(rst._iv(at4[e]["4"][f"{rs.LABEL}_iqm"]) in text for e in at4)
+    paper = rst.paper_table(s)
+    assert list(paper["estimator"]) == list(at4) and list(paper.columns) == ["estimator", "N=1", "N=4"]
+    assert paper.set_index("estimator").loc["vespo", "N=4"].endswith("(paper 70%)")  # VESPO's table at N = 4
+    fig = rst.accuracy_vs_setting(res.results)
+    assert [t.get_text() for t in fig.axes[0].get_legend().get_texts()] == list(at4)
     # N = 1: every estimator is REINFORCE, so the IQMs agree exactly
     n1 = {e: v["1"][f"{rs.LABEL}_iqm"][0] for e, v in s["table"]["sync"].items()}
     assert max(n1.values()) - min(n1.values()) < 1e-9

@@ -89,6 +89,7 @@ from lab.engine.estimator import Estimator
 from lab.engine.exact import Problem, Support, objective
 from lab.errors import LabError
 from lab.policies import init_params, log_probs_of, make_policy, sample, sequence_log_probs, token_log_probs
+from lab.policies.protocol import is_sampler
 from lab.progress import bar
 from lab.seeding import generator
 
@@ -455,7 +456,7 @@ class _Run:
         self.env, self.policy = self.problem.env, self.problem.policy
         self.est = cfg.resolved()
         self.dtype = torch.float32 if cfg.dtype == "float32" else torch.float64
-        self.network = cfg.policy == "transformer"
+        self.network = is_sampler(self.policy)
         self.task = cfg.task_metrics
         self.device = torch.device(cfg.device)
         init_gen = generator(cfg.seed, 0)

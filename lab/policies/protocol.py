@@ -16,6 +16,19 @@ Everything else (log-probs, sampling, exact supports, gradients) is built on the
     noise_table(generator) -> z;  noise_logits(z, prompts, tokens) -> [..., T, V]
                               a fixed N(0, 1) logit perturbation per state (prompt, prefix)
 
+Networks also play an inference engine and a trainer that disagree (the mismatch contract, ``Sampler`` below):
+
+    generate(theta, prompts, generator, dtype, kv_cache, temperature) -> tokens [N, T], log-probs [N, T], routes
+                              one response per prompt as an inference engine samples it: weights in ``dtype``,
+                              optionally with a KV cache; routes are the MoE routing taken (None when dense)
+    score(theta, prompts, tokens, dtype, routes) -> [N, T]
+                              the trainer's log-probs on the full sequence, replaying ``routes`` when given
+    logits(theta, prompts, tokens, routes=None)
+                              teacher-forced logits that replay the sampler's routes (differentiable)
+
+The training simulator samples through ``generate`` and scores through ``score`` whenever the policy has them; a
+tabular policy lacks them and the simulator samples its tables directly (with simulated mismatch).
+
 A behaviour policy is a (policy, theta) pair like any other. The staleness knobs that do not move parameters act on
 the LOGITS through two wrappers, so a temperature or a KL target means the same thing for every policy kind:
 ``Tempered(policy, t)`` (logits / t) and ``Perturbed(policy, z, s)`` (logits + s z(state)).
@@ -23,7 +36,7 @@ the LOGITS through two wrappers, so a temperature or a KL target means the same 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import torch
 
@@ -43,6 +56,22 @@ class Policy(Protocol):
     def noise_table(self, generator: torch.Generator) -> torch.Tensor: ...
 
     def noise_logits(self, noise: torch.Tensor, prompts: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor: ...
+
+
+@runtime_checkable
+class Sampler(Protocol):
+    """The mismatch contract of a network policy (see the module doc); ``is_sampler(policy)`` tests for it."""
+
+    def generate(self, theta: torch.Tensor, prompts: torch.Tensor, generator: torch.Generator,
+                 dtype=torch.float32, kv_cache: bool = True, temperature: float = 1.0): ...
+
+    def score(self, theta: torch.Tensor, prompts: torch.Tensor, tokens: torch.Tensor, dtype=torch.float32,
+              routes=None) -> torch.Tensor: ...
+
+
+def is_sampler(policy) -> bool:
+    """Whether ``policy`` samples and scores like an inference engine and a trainer (``Sampler``)."""
+    return isinstance(policy, Sampler)
 
 
 @dataclass(frozen=True, eq=False)

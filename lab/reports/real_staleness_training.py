@@ -37,7 +37,16 @@ def _at(summary: dict, study: str, x: str) -> dict:
 # ---- text -----------------------------------------------------------------------------------------------------------
 
 def headline(summary: dict) -> str:
-    return summary["headline"]
+    """One line: what the miniature reproduces of the paper's ordering at the largest N."""
+    orders = summary.get("orderings", [])
+    if not orders:
+        return "fewer than two of the paper's estimators (ppo_clip, gspo, sapo, vespo) at two or more N in the sync study"
+    rep = [f"{o['better']} > {o['worse']}" for o in orders if o["verdict"] == "reproduced"]
+    rev = [f"{o['worse']} > {o['better']}" for o in orders if o["verdict"] == "reversed"]
+    n = int(orders[0]["n"])
+    return (f"At N = {n}: reproduced {', '.join(rep) or 'none'}; reversed {', '.join(rev) or 'none'}; "
+            f"{sum(o['verdict'] == 'not separated' for o in orders)} of {len(orders)} paper orderings not separated "
+            f"by the seeds")
 
 
 def _setup(summary: dict) -> str:

@@ -352,6 +352,7 @@ def make_setup(cfg: Config) -> Setup:
     problem = cfg.problem()
     gen = generator(cfg.seed, 0)
     theta0 = init_params(problem.policy, cfg.init_scale, gen)
+    # tabular policies (prefix | markov): the logits are rows of theta, so theta / t is the teacher at temperature t
     theta_t = teacher_params(cfg, problem, theta0, gen) / cfg.teacher_temperature
     snaps, kls = distil_student(problem, theta0, theta_t, cfg.student_steps, cfg.student_lr)
     return Setup(problem, snaps[-1], theta_t, snaps[-1 - cfg.behaviour_lag], kls)

@@ -288,6 +288,7 @@ def runs_of(cfg: Config) -> list[tuple[str, str, int]]:
 
 def _start(cfg: Config, env, runs: list, resp: _Responses) -> _Start:
     refs = {seed: reference_params(env, seed, cfg.ref_scale) for seed in cfg.seeds}
+    # the tables' rows ARE the logits (the tabular shortcut above), so theta / t is exactly sampling at temperature t
     fixed = {"on_policy": lambda t: t, "reference": lambda t: t, "tempered": lambda t: t / cfg.temperature,
              "uniform": torch.zeros_like}
     theta_ref = torch.stack([refs[seed] for _, _, seed in runs])

@@ -285,19 +285,6 @@ def setup(cfg: Config, sweeps: dict) -> dict:
             "source": f"the sweeps in {cfg.results}" if cfg.results else "the report's own small default sweeps"}
 
 
-def headline(summary: dict) -> str:
-    """One line: what the miniature reproduces of the paper's ordering at the largest N."""
-    orders = summary.get("orderings", [])
-    if not orders:
-        return "fewer than two of the paper's estimators (ppo_clip, gspo, sapo, vespo) at two or more N in the sync study"
-    rep = [f"{o['better']} > {o['worse']}" for o in orders if o["verdict"] == "reproduced"]
-    rev = [f"{o['worse']} > {o['better']}" for o in orders if o["verdict"] == "reversed"]
-    n = int(orders[0]["n"])
-    return (f"At N = {n}: reproduced {', '.join(rep) or 'none'}; reversed {', '.join(rev) or 'none'}; "
-            f"{sum(o['verdict'] == 'not separated' for o in orders)} of {len(orders)} paper orderings not separated "
-            f"by the seeds")
-
-
 def build_summary(cfg: Config, table: pd.DataFrame, sweeps: dict) -> dict:
     out = {"study": "real_staleness_training", "score": SCORE, "baseline": cfg.baseline,
            "table": st.summary_table(table, LABEL), "setup": setup(cfg, sweeps),
@@ -313,7 +300,6 @@ def build_summary(cfg: Config, table: pd.DataFrame, sweeps: dict) -> dict:
                                 .items()}
     if "sync" in sweeps:
         out["curves"] = st.curves(sweeps["sync"][0], "minibatches")  # training accuracy J after each rollout
-    out["headline"] = headline(out)
     return out
 
 
