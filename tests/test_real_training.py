@@ -15,7 +15,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from lab.engine.sweep import load_results
+from lab.engine.sweep import load_results, load_spec, run_sweep
 from lab.engine.training import TrainConfig, train
 from lab.errors import LabError
 from lab.reports import real_staleness_training as rst
@@ -137,6 +137,17 @@ def test_a_killed_transformer_sweep_resumes_to_the_uninterrupted_result(tmp_path
     pd.testing.assert_frame_equal(sa, sb)
     pd.testing.assert_frame_equal(ra.drop(columns=["rollouts"], errors="ignore"),
                                   rb.drop(columns=["rollouts"], errors="ignore"))
+
+
+def test_a_transformer_sweep_on_ray_equals_the_local_pool(tmp_path):
+    spec = tmp_path / "real.yaml"
+    spec.write_text(SPEC.replace("seed: [0, 1, 2]", "seed: [0]"))
+    spec = load_spec(spec)
+    assert run_sweep(spec, tmp_path / "local", "local", workers=2)["done"] == 2
+    assert run_sweep(spec, tmp_path / "ray", "ray", workers=2)["done"] == 2  # a local Ray instance, num_cpus=2
+    (sa, ra), (sb, rb) = load_results(tmp_path / "local"), load_results(tmp_path / "ray")
+    pd.testing.assert_frame_equal(sa, sb, check_exact=True)
+    pd.testing.assert_frame_equal(ra, rb, check_exact=True)
 
 
 def _fake_table(iqms: dict) -> pd.DataFrame:
