@@ -42,6 +42,11 @@ def cmd_estimators(args) -> int:
         print(f"{name}  [{i.family}]  {i.description}\n    source: {i.source}\n    defaults: {defaults}\n"
               f"    allowed: {domains}\n    unbiased for: {i.unbiased_for}"
               + (f"\n    differs from the code it cites: {i.differences}" if i.differences else ""))
+    print("\nEvery estimator: a response with no real token counts in the batch size B of the seq-mean-* modes, as "
+          "in verl 0.9.1's trainer (global batch size = every sequence of the mini-batch) and TRL's GRPOTrainer. verl's "
+          "agg_loss called on its own (no global batch information) divides by the non-empty rows instead; "
+          "lab.estimators.to_verl(name) follows verl in both cases, except that verl's geo_mean (GMPO) averages over "
+          "every row whatever it is given, while the exported gmpo aggregates like verl's other losses.")
     return 0
 
 
@@ -63,7 +68,7 @@ def cmd_variance(args) -> int:
 def cmd_train(args) -> int:
     from lab.configs import estimator_pairs, from_args, to_dict
     from lab.engine.training import TrainConfig, train
-    from lab.runs import check_out_dir, write_run
+    from lab.runs import check_out_dir, remove_empty, write_run
 
     nested = estimator_pairs(args.hyper)
     name = args.estimator or TrainConfig.estimator
@@ -74,11 +79,21 @@ def cmd_train(args) -> int:
     cfg = from_args(TrainConfig, args, hyper=nested.get(name, {}))
     out = Path(args.out or f"runs/train/{cfg.env}-{cfg.estimator}-N{cfg.minibatches}-{cfg.regime}-seed{cfg.seed}")
     check_out_dir(out)
-    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
-        log = Path(tmp) / "rollout_log" if args.rollout_log else None
-        result = train(cfg, rollout_log=log)
-        extra = {"rollout_log": lambda dest: shutil.move(log, dest)} if log else None
-        write_run(out, {"command": "train", **to_dict(cfg)}, result.table, result.summary, extra)
+    if not args.rollout_log:
+        result = train(cfg)
+        write_run(out, {"command": "train", **to_dict(cfg)}, result.table, result.summary)
+    else:  # the log is staged beside the run folder (one file system, so moving it in is a rename)
+        made = [p for p in (out.absolute().parent, *out.absolute().parents) if not p.exists()]
+        out.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+                log = Path(tmp) / "rollout_log"
+                result = train(cfg, rollout_log=log)
+                write_run(out, {"command": "train", **to_dict(cfg)}, result.table, result.summary,
+                          {"rollout_log": lambda dest: shutil.move(log, dest)})
+        finally:
+            remove_empty(made)
+    log = args.rollout_log
     print(f"wrote {out} ({len(result.table)} updates{', with its rollout log' if log else ''}); "
           f"{result.summary.get('headline', '')}")
     return 0
@@ -112,10 +127,12 @@ def cmd_report(args) -> int:
     from lab import reports
     from lab.configs import pairs
     from lab.reports import params as report_params
+    from lab.runs import check_writable
 
     if args.all:
         if args.name or args.param or args.file or args.params:
             raise LabError("give either a report name (with -p / -f) or --all, not both")
+        check_writable(Path(args.out) / "index.html")  # before any report runs
         n, done, t0, lock = len(reports.names()), [0], time.perf_counter(), threading.Lock()
 
         def say(kind, name, seconds):
@@ -143,6 +160,22 @@ def cmd_report(args) -> int:
     return 0
 
 
+def _folder(text: str) -> str:
+    if not text.strip():
+        raise argparse.ArgumentTypeError("an empty path; name a folder")
+    return text
+
+
+def _positive(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive whole number, got {text!r}")
+    return n
+
+
 def build_parser() -> argparse.ArgumentParser:
     from lab.configs import add_flags
     from lab.engine.training import TrainConfig
@@ -155,12 +188,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     v = sub.add_parser("variance", help="one variance study: every estimator on the same batches")
     add_flags(v, variance.Config)
-    v.add_argument("--out", default=None, help="run folder (default runs/variance/ENV-KIND-seedN)")
+    v.add_argument("--out", type=_folder, default=None, help="run folder (default runs/variance/ENV-KIND-seedN)")
     v.set_defaults(func=cmd_variance)
 
     t = sub.add_parser("train", help="one training run under staleness (sync mini-batching, async lag, mismatch)")
     add_flags(t, TrainConfig)
-    t.add_argument("--out", default=None, help="run folder (default runs/train/ENV-EST-N-REGIME-seedS)")
+    t.add_argument("--out", type=_folder, default=None, help="run folder (default runs/train/ENV-EST-N-REGIME-seedS)")
     t.add_argument("--rollout-log", action="store_true",
                    help="also write every mini-batch as a neutral rollout log in OUT/rollout_log (see `lab diagnose`)")
     t.set_defaults(func=cmd_train)
@@ -169,9 +202,9 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("spec", help="sweep spec (YAML with name, kind, base, grid; see sweeps/example.yaml)")
     w.add_argument("--device", default=None, help="run every cell on this device (cpu | cuda), over the spec's base")
     w.add_argument("--executor", default="local", help="local (process pool) | ray")
-    w.add_argument("--workers", type=int, default=None, help="parallel workers (default: all CPUs)")
+    w.add_argument("--workers", type=_positive, default=None, help="parallel workers (default: all CPUs)")
     w.add_argument("--address", default=None, help="Ray cluster address (default: a local Ray instance)")
-    w.add_argument("--out", default=None, help="results folder (default runs/sweeps/NAME); rerun to resume")
+    w.add_argument("--out", type=_folder, default=None, help="results folder (default runs/sweeps/NAME); rerun to resume")
     w.set_defaults(func=cmd_sweep)
 
     r = sub.add_parser("report", help="execute a report notebook into reports/ with an HTML export")
@@ -181,8 +214,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("-f", "--file", default=None, metavar="PARAMS.yaml", help="notebook parameters from a YAML file")
     r.add_argument("--params", action="store_true", help="list the report's parameters with types and defaults")
     r.add_argument("--all", action="store_true", help="build every report with its defaults and the gallery")
-    r.add_argument("--out", default="reports", help="reports folder")
-    r.add_argument("--workers", type=int, default=1, help="with --all: reports built at a time (one kernel each)")
+    r.add_argument("--out", type=_folder, default="reports", help="reports folder")
+    r.add_argument("--workers", type=_positive, default=1, help="with --all: reports built at a time (one kernel each)")
     r.set_defaults(func=cmd_report)
 
     from lab.diagnose.cli import add_parser as add_diagnose

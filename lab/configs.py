@@ -52,6 +52,8 @@ def pairs(items, what: str) -> dict:
         if "=" not in item:
             raise LabError(f"{what} must look like key=value, got {item!r}")
         k, v = item.split("=", 1)
+        if k.strip() in out:
+            raise LabError(f"{what} gives {k.strip()!r} twice; give each key once")
         out[k.strip()] = value(v.strip())
     return out
 

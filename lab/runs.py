@@ -80,9 +80,9 @@ def check_out_dir(out: Path, marker: str = "config.json") -> None:
 
 def check_writable(out: Path) -> None:
     """Create and remove a hidden sibling of ``out`` (and the parents this makes): LabError if that fails."""
-    out = Path(out).absolute()
-    made = [p for p in (out.parent, *out.parent.parents) if not p.exists()]
+    out, made = Path(out).absolute(), []
     try:
+        made = [p for p in (out.parent, *out.parent.parents) if not p.exists()]
         out.parent.mkdir(parents=True, exist_ok=True)
         probe = Path(tempfile.mkdtemp(prefix=f".{out.name[:200]}.", dir=out.parent))
         probe.rmdir()

@@ -55,7 +55,7 @@ import yaml
 
 from lab.errors import LabError
 from lab.progress import bar
-from lab.runs import atomic_dir, check_writable, git_revision, package_versions, write_json
+from lab.runs import atomic_dir, check_writable, git_revision, package_versions, remove_empty, write_json
 
 EXECUTORS = ("local", "ray")
 CELL_KINDS = {  # kind: (module, config class, run function returning an object with .table and .summary)
@@ -343,7 +343,7 @@ def run_sweep(spec: SweepSpec, out_dir, executor: str = "local", workers: int | 
     ids = [cell_id(c, spec.kind) for c in configs]
     check_writable(out)
     _check_folder(out, spec, ids)
-    created = not out.exists()
+    created = [p for p in (out.absolute(), *out.absolute().parents) if not p.exists()]  # innermost first
     meta = {"versions": package_versions(), "git_revision": git_revision()}
     cells, lock = _prepare(out, spec, meta)
     todo = [i for i, cid in enumerate(ids) if not _done(cells, cid)]
@@ -371,11 +371,13 @@ def run_sweep(spec: SweepSpec, out_dir, executor: str = "local", workers: int | 
         os.close(lock)
         if created and not any(cells.iterdir()):  # nothing finished: leave nothing behind
             shutil.rmtree(out, ignore_errors=True)
+            remove_empty(created[1:])
     if failed:
         i, err = failed[0]
+        kept = (f"the {done + skipped} finished cells are saved in {out}, rerun to retry the rest" if out.exists()
+                else "nothing was written")
         raise LabError(f"{len(failed)} of {len(todo)} sweep cells failed (first: cell {i}, "
-                       f"{_label(configs[i], spec.grid)}: {err}); the {done} finished cells are saved in {out}, "
-                       f"rerun to retry the rest")
+                       f"{_label(configs[i], spec.grid)}: {err}); {kept}")
     return {"done": done, "skipped": skipped, "total": len(configs)}
 
 

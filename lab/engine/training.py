@@ -93,6 +93,7 @@ from lab.policies.protocol import is_sampler
 from lab.progress import bar
 from lab.seeding import generator
 
+ROLLOUT_MEMORY_BUDGET = 8 * 2**30  # bytes a rollout batch may need (``TrainConfig.rollout_memory``)
 REGIMES = ("sync", "async", "mismatch")
 SAMPLER_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 LAG_DISTS = ("uniform", "geometric", "constant")
@@ -209,8 +210,9 @@ class TrainConfig:
             raise LabError(f"unknown regime {self.regime!r}; choose one of {', '.join(REGIMES)}")
         self._validate_sizes(self._validate_estimator())
         self._validate_regime()
-        if not (math.isfinite(self.lr) and self.lr > 0):
-            raise LabError(f"learning rate must be a positive number, got {self.lr}")
+        if not (math.isfinite(self.lr) and 0 < self.lr <= torch.finfo(torch.float32).max):
+            raise LabError(f"learning rate must be a positive number that float32 holds (at most 3.4e38), got "
+                           f"{self.lr}")
         if not (math.isfinite(self.init_scale) and self.init_scale >= 0):
             raise LabError(f"init scale must be a finite non-negative number, got {self.init_scale}")
         if self.dtype not in ("float32", "float64"):
@@ -275,6 +277,10 @@ class TrainConfig:
             raise LabError(f"{self.minibatches} mini-batches do not divide the rollout batch {self.rollout_batch}; "
                            f"choose a divisor of it")
         mb = self.rollout_batch // self.minibatches
+        need = self.rollout_memory()
+        if need > ROLLOUT_MEMORY_BUDGET:
+            raise LabError(f"a rollout batch of {self.rollout_batch} needs about {need / 2**30:.1f} GiB (budget "
+                           f"{ROLLOUT_MEMORY_BUDGET / 2**30:.0f} GiB); use a smaller rollout batch")
         if est.needs_groups:
             if self.group_size < 2:
                 raise LabError(f"estimator {self.estimator!r} needs groups of at least 2 responses per prompt; "
@@ -282,6 +288,19 @@ class TrainConfig:
             if mb % self.group_size:
                 raise LabError(f"estimator {self.estimator!r} needs whole groups in each mini-batch: mini-batch size "
                                f"{mb} is not a multiple of the group size {self.group_size}; use fewer mini-batches")
+
+    def rollout_memory(self) -> int:
+        """Bytes a rollout batch needs at least: its logits, log-softmax and their gradients (4 x B T V float64) and,
+        for the transformer, the activations its update keeps (about 16 floats per width, layer and position)."""
+        env = self.make_env()
+        need = 4 * self.rollout_batch * env.length * env.vocab_size * 8
+        if self.policy == "transformer":
+            from lab.policies.transformer import size_config
+
+            c = size_config(self.size)
+            positions = env.length + getattr(env, "prompt_length", 0)
+            need += 16 * self.rollout_batch * positions * c.n_embd * c.n_layer * 8
+        return need
 
     def _validate_regime(self) -> None:
         if self.lag_dist not in LAG_DISTS:
