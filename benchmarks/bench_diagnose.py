@@ -4,11 +4,14 @@
     .venv/bin/python benchmarks/bench_diagnose.py                  # a synthetic 10-million-token neutral log
     .venv/bin/python benchmarks/bench_diagnose.py --tokens 2e6     # smaller
     .venv/bin/python benchmarks/bench_diagnose.py --quick          # smoke test, 300k tokens
+    .venv/bin/python benchmarks/bench_diagnose.py --mean-len 8     # short responses: many sequences per token
     .venv/bin/python benchmarks/bench_diagnose.py --json out.json  # also save every number
 
 The log is ``lab.diagnose.synthetic.random_log`` (sampler, old and current log-probs, versions, advantages,
-entropy; responses of 256 tokens on average; row groups of 1M rows), written once before timing. Each
-implementation then runs in its own fresh process on the same file, so that its peak memory is its own:
+entropy; responses of ``--mean-len`` tokens on average, 256 by default; row groups of 1M rows), written once
+before timing. The streaming pass keeps about 1 KB per sequence, so with short responses its peak grows with the
+number of sequences: ``--mean-len`` measures that. Each implementation then runs in its own fresh process on the
+same file, so that its peak memory is its own:
 
 - streaming: ``lab.diagnose.diagnose`` (chunks of ``--chunk-rows`` token rows): every table of the report;
 - pandas: ``lab.diagnose.reference.reference``: ``pd.read_parquet`` of both tables, then groupby for per-step
@@ -109,6 +112,7 @@ def agree(a: dict, b: dict) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=float, default=1e7)
+    ap.add_argument("--mean-len", type=int, default=256, help="mean response length in tokens (default 256)")
     ap.add_argument("--chunk-rows", type=int, default=1 << 18)
     ap.add_argument("--threads", type=int, default=0, help="torch threads in each process (0: torch's default)")
     ap.add_argument("--quick", action="store_true")
@@ -123,14 +127,16 @@ def main() -> int:
     path = args.keep or Path(tmp.name) / "log"
     if not (path / "meta.json").exists():
         t0 = time.perf_counter()
-        random_log(path, n, mean_len=256, batch=512 if args.quick else 2048, seed=0)
+        random_log(path, n, mean_len=args.mean_len, batch=512 if args.quick else 2048, seed=0)
         print(f"wrote a {n:,}-token log in {time.perf_counter() - t0:.1f} s: "
               f"{sum(f.stat().st_size for f in path.iterdir()) / 2**20:.0f} MiB on disk")
     import pyarrow.parquet as pq
 
     rows = pq.ParquetFile(path / "tokens.parquet").metadata.num_rows
+    n_seq = pq.ParquetFile(path / "sequences.parquet").metadata.num_rows
     print(f"python {platform.python_version()}, {os.cpu_count()} cores, load {os.getloadavg()[0]:.2f}, "
-          f"threads {args.threads or 'default'}, chunk {args.chunk_rows:,} rows, {rows:,} token rows")
+          f"threads {args.threads or 'default'}, chunk {args.chunk_rows:,} rows, {rows:,} token rows, "
+          f"{n_seq:,} sequences ({rows / max(n_seq, 1):.0f} tokens each)")
     which = ("streaming",) if args.streaming_only else ("streaming", "pandas")
     res = {w: run_child(w, path, args.threads, args.chunk_rows) for w in which}
     print(f"\n{'':<11}{'seconds':>9}{'tokens/s':>13}{'peak MiB':>10}{'(RSS before)':>14}")
@@ -149,9 +155,10 @@ def main() -> int:
     ok = all(errs[k] <= 1e-9 for k in ("ess_frac", "khat", "mean_abs", "n_tok", "tokens_changed", "removed")) \
         and errs["quantiles_outside_bin"] == 0
     if args.json:
-        args.json.write_text(json.dumps({"tokens": rows, "results": {k: {kk: vv for kk, vv in v.items()
-                                         if kk not in ("per_step", "corrections", "quantiles")} for k, v in res.items()},
-                                         "agreement": errs, "ok": ok}, indent=2))
+        results = {k: {kk: vv for kk, vv in v.items() if kk not in ("per_step", "corrections", "quantiles")}
+                   for k, v in res.items()}
+        args.json.write_text(json.dumps({"tokens": rows, "sequences": n_seq, "mean_len": args.mean_len,
+                                         "results": results, "agreement": errs, "ok": ok}, indent=2))
     tmp.cleanup()
     if not ok:
         print("FAIL: the two implementations disagree")

@@ -8,6 +8,8 @@ value is read (``{"parse": "list"}``: comma-separated; ``"pairs"``: repeated KEY
 """
 from __future__ import annotations
 
+import argparse
+
 import ast
 import inspect
 import json
@@ -176,6 +178,17 @@ def check_types(cfg) -> None:
     seed = getattr(cfg, "seed", 0)
     if not 0 <= seed <= SEED_MAX:
         raise LabError(f"seed must be a whole number between 0 and 2^63 - 1, got {seed}")
+
+
+def seed_arg(text: str) -> int:
+    """An argparse type: a seed in 0 .. 2^63 - 1."""
+    try:
+        seed = int(text)
+    except ValueError:
+        seed = -1
+    if not 0 <= seed <= SEED_MAX:
+        raise argparse.ArgumentTypeError(f"a seed is a whole number between 0 and 2^63 - 1, got {text!r}")
+    return seed
 
 
 def check_unique(name: str, values: list) -> None:

@@ -21,6 +21,8 @@ def one_line(capsys, needle: str) -> None:
     (["train", "--lr", "1e300"], "float32 holds"),
     (["report", "--all", "--workers", "0"], "positive whole number"),
     (["sweep", "spec.yaml", "--workers", "-1"], "positive whole number"),
+    (["diagnose", ".", "--seed", "-1"], "between 0 and 2^63 - 1"),
+    (["diagnose", ".", "--seed", "100000000000000000000"], "between 0 and 2^63 - 1"),
 ])
 def test_bad_values_are_one_line_and_exit_2(tmp_path, monkeypatch, capsys, argv, needle):
     monkeypatch.chdir(tmp_path)

@@ -147,6 +147,36 @@ def test_prime_rl_bad_input(prime_dump, tmp_path, capsys):
     assert "nowhere: no such file or folder" in capsys.readouterr().err
 
 
+def _no_advantages(rec):
+    del rec["advantages"]  # later releases: per-token advantages only under losses[t]["rl"]
+    return rec
+
+
+@pytest.mark.parametrize("edit,message", [
+    (lambda r: r["token_ids"].__setitem__(6, None), "'token_ids' entry 6 is None; expected an integer"),
+    (lambda r: r["token_ids"].__setitem__(6, 1.5), "'token_ids' entry 6 is 1.5; expected an integer"),
+    (lambda r: _no_advantages(r)["losses"][7]["rl"].__setitem__("advantage", "high"),
+     "'losses[t].rl.advantage' entry 7 is 'high'; expected a number or null"),
+    (lambda r: r["loss_mask"].__setitem__(8, "yes"), "'loss_mask' entry 8 is 'yes'; expected true/false"),
+    (lambda r: r["loss_mask"].__setitem__(8, None), "'loss_mask' entry 8 is None; expected true/false"),
+    (lambda r: r["trainer_logprobs"].__setitem__(7, "nan"), "'trainer_logprobs' entry 7 is 'nan'; expected a number"),
+    (lambda r: r.__setitem__("run_id", ["a"]), "'run_id' is ['a']; expected a string"),
+], ids=["null-token", "float-token", "string-advantage", "string-mask", "null-mask", "string-logprob", "list-run"])
+def test_prime_rl_malformed_values_are_one_line(prime_dump, tmp_path, capsys, edit, message):
+    root, records = prime_dump
+    f = root / "token_exports" / "step_1" / "rank_1.jsonl"
+    rec = records[(1, 1)][1]
+    assert len(rec["token_ids"]) > 8
+    edit(rec)
+    write_prime_export(root, {(1, 1): records[(1, 1)]})
+    out = tmp_path / "run"
+    assert main(["--from", "prime-rl", str(root), "--out", str(out), "--save-log", str(tmp_path / "neutral")]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.startswith(f"error: {f}:2: {message}")
+    assert len(captured.err.strip().splitlines()) == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["outputs"]
+
+
 # ------------------------------------------------------------------------------------------------ slime
 def slime_sample_to_dict(group_index, index, tokens, response_length, reward, loss_mask, weight_versions,
                          rollout_log_probs) -> dict:
@@ -164,13 +194,18 @@ def slime_sample_to_dict(group_index, index, tokens, response_length, reward, lo
 
 def write_slime_dump(root: Path, rid: int, rng, legacy: bool = False, n_groups: int = 2, group_size: int = 2):
     """--dump-details DIR: rollout_data/{rid}.pt and train_data/{rid}.pt (format_version 2; legacy:
-    train_data/{rid}_{rank}.pt with the rank's rollout_data columns), all written with torch.save."""
+    train_data/{rid}_{rank}.pt with the rank's rollout_data columns), all written with torch.save.
+
+    The three ways to name a sample all differ, so that a wrong join shows: ``Sample.index`` counts on over the run
+    (100 (rid + 1) + k for the k-th generated sample), the rollout dump lists the samples rotated by one
+    (``rollout_position`` p holds generated sample p - 1), and the train dump lists them by data-parallel rank.
+    Returns the rollout samples in rollout order and the train samples in generation order."""
     samples, train = [], []
     for g in range(n_groups):
-        rewards = rng.integers(0, 2, group_size).astype(float)
+        rewards = rng.random(group_size).round(3)  # distinct rewards: a wrong join moves them
         adv = rewards - rewards.mean()
         for j in range(group_size):
-            idx = g * group_size + j
+            idx = 100 * (rid + 1) + g * group_size + j
             P, R = int(rng.integers(3, 6)), int(rng.integers(4, 9))
             tokens = rng.integers(0, 150_000, P + R).tolist()
             mask = [1] * R
@@ -183,7 +218,11 @@ def write_slime_dump(root: Path, rid: int, rng, legacy: bool = False, n_groups: 
                           "loss_masks": torch.tensor(mask, dtype=torch.int), "rewards": float(adv[j]), "truncated": 0,
                           "rollout_log_probs": torch.tensor(rlp), "log_probs": torch.tensor(rlp + rng.normal(0, 0.02, R).astype(np.float32)),
                           "ref_log_probs": torch.tensor(rlp), "advantages": torch.full((R,), float(adv[j])),
-                          "returns": torch.full((R,), float(adv[j])), "sample_index": idx, "rollout_position": idx})
+                          "returns": torch.full((R,), float(adv[j])), "sample_index": idx})
+    perm = np.roll(np.arange(len(samples)), 1)
+    samples = [samples[k] for k in perm]
+    for pos, k in enumerate(perm):
+        train[k]["rollout_position"] = pos
     (root / "rollout_data").mkdir(parents=True, exist_ok=True)
     (root / "train_data").mkdir(parents=True, exist_ok=True)
     torch.save({"rollout_id": rid, "samples": samples}, root / "rollout_data" / f"{rid}.pt")
@@ -192,10 +231,10 @@ def write_slime_dump(root: Path, rid: int, rng, legacy: bool = False, n_groups: 
         cols["sample_indices"] = [t["sample_index"] for t in train]
         torch.save({"rollout_id": rid, "rank": 0, "rollout_data": cols}, root / "train_data" / f"{rid}_0.pt")
     else:
-        shards = [dict(t, data_parallel_rank=k % 2) for k, t in enumerate(train)]
-        order = sorted(shards, key=lambda s: s["rollout_position"])
-        dp = [{"rank": r, "data_parallel_rank": r, "sample_indices": [s["sample_index"] for s in shards if s["data_parallel_rank"] == r],
-               "rollout_positions": [s["rollout_position"] for s in shards if s["data_parallel_rank"] == r],
+        shards = [dict(t, data_parallel_rank=t["rollout_position"] % 2) for t in train]
+        order = sorted(shards, key=lambda s: (s["data_parallel_rank"], s["rollout_position"]))
+        dp = [{"rank": r, "data_parallel_rank": r, "sample_indices": [s["sample_index"] for s in order if s["data_parallel_rank"] == r],
+               "rollout_positions": [s["rollout_position"] for s in order if s["data_parallel_rank"] == r],
                "micro_batch_indices": [[0, 1]], "num_microbatches": [1], "global_batch_sizes": [len(train)]} for r in (0, 1)]
         torch.save({"format_version": 2, "rollout_id": rid, "rank": 0, "samples": order, "dp_shards": dp,
                     "raw_reward": [s["reward"] for s in samples]}, root / "train_data" / f"{rid}.pt")
@@ -210,11 +249,13 @@ def test_slime_dump_value_by_value(tmp_path, legacy):
     log = RolloutLog(convert("slime", dump, tmp_path / "neutral"))
     tok, seq = _tables(tmp_path / "neutral")
     assert log.meta["source"] == "slime" and log.logp_columns == ["sampler_logp", "old_logp"]
-    i = 0
     for rid, (samples, train) in made.items():
-        for s, t in zip(samples, train):
+        for pos, s in enumerate(samples):
+            t = next(t for t in train if t["sample_index"] == s["index"])
+            assert legacy or t["rollout_position"] == pos != s["index"]
+            sid = s["index"] if legacy else pos  # the legacy dump has no rollout positions
             R = s["response_length"]
-            rows = tok[(tok["step"] == rid) & (tok["sample_id"] == s["index"])]
+            rows = tok[(tok["step"] == rid) & (tok["sample_id"] == sid)]
             np.testing.assert_array_equal(rows["position"], np.arange(R))
             np.testing.assert_array_equal(rows["token_id"], s["tokens"][-R:])
             np.testing.assert_array_equal(rows["loss_mask"], np.array(s["loss_mask"]) > 0)
@@ -226,13 +267,11 @@ def test_slime_dump_value_by_value(tmp_path, legacy):
                 assert (rows["version"] == v[0]).all()
             else:
                 assert rows["version"].isna().all()
-            r = seq.iloc[i]
-            assert (r["step"], r["sample_id"], r["group_id"], r["reward"], r["response_length"]) == \
-                   (rid, s["index"], s["group_index"], s["reward"], R)
+            r = seq[(seq["step"] == rid) & (seq["sample_id"] == sid)].iloc[0]
+            assert (r["group_id"], r["reward"], r["response_length"]) == (s["group_index"], s["reward"], R)
             assert (r["version_min"], r["version_max"], r["trainer_version"]) == (min(v), max(v), rid)
             assert r["advantage"] == float(t["advantages"][0])
-            i += 1
-    assert len(seq) == i
+    assert len(seq) == sum(len(s) for s, _ in made.values())
     d = diagnose(log, progress=False)
     assert d.summary["staleness"]["max_lag"] == 1  # rollout 1 samples that began on version 0
 
@@ -255,6 +294,41 @@ def test_slime_refuses_unknown_classes_unless_trusted(tmp_path, capsys):
     with pytest.raises(LabError, match=r"train_data/0.pt sample 2: 'loss_masks' has \d+ entries but response_lengths"):
         convert("slime", dump, tmp_path / "n", trust=True)
     assert not (tmp_path / "n").exists()
+
+
+@pytest.mark.parametrize("edit,message", [
+    (lambda s, r: s.__setitem__("tokens", [None] + s["tokens"].tolist()[1:]),
+     "'tokens' entry 0 is None; expected an integer"),
+    (lambda s, r: s.__setitem__("loss_masks", ["1"] * s["response_lengths"]),
+     "'loss_masks' entry 0 is '1'; expected true/false"),
+    (lambda s, r: s.__setitem__("advantages", ["high"] * s["response_lengths"]),
+     "'advantages' entry 0 is 'high'; expected a number"),
+    (lambda s, r: s.__setitem__("rollout_position", "first"), "needs integer 'response_lengths' and 'total_lengths'"),
+    (lambda s, r: r[s["rollout_position"]].__setitem__("group_index", "g0"),
+     "the rollout sample's 'group_index' is 'g0'"),
+], ids=["null-token", "string-mask", "string-advantage", "string-position", "string-group"])
+def test_slime_malformed_values_are_one_line(tmp_path, capsys, edit, message):
+    dump = tmp_path / "dump"
+    write_slime_dump(dump, 0, np.random.default_rng(6))
+    train = torch.load(dump / "train_data" / "0.pt", weights_only=False)
+    rollout = torch.load(dump / "rollout_data" / "0.pt", weights_only=False)
+    edit(train["samples"][2], rollout["samples"])
+    torch.save(train, dump / "train_data" / "0.pt")
+    torch.save(rollout, dump / "rollout_data" / "0.pt")
+    assert main(["--from", "slime", str(dump), "--out", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith(f"error: {dump / 'train_data' / '0.pt'} sample 2: {message}")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dump"]
+
+
+def test_slime_truncated_file(tmp_path, capsys):
+    dump = tmp_path / "dump"
+    write_slime_dump(dump, 0, np.random.default_rng(7))
+    f = dump / "train_data" / "0.pt"
+    f.write_bytes(f.read_bytes()[:-100])
+    assert main(["--from", "slime", str(dump)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and f"{f}: not a readable torch.save file, truncated or corrupt?" in err
 
 
 # ------------------------------------------------------------------------------------------------ SkyRL
@@ -404,6 +478,28 @@ def test_skyrl_shapes_must_match(tmp_path, monkeypatch):
     with pytest.raises(LabError, match=r"global_step_3_training_input.pkl: 'rollout_logprobs' has shape \(5, 5\) but "
                                        r"'loss_mask' has \(5, 6\)"):
         convert("skyrl", d, tmp_path / "n")
+
+
+@pytest.mark.parametrize("bounds,message", [
+    ([(0, 2), ("two", 4)], "entry 1 is ('two', 4); expected (start, end)"),
+    ([(0, 2), (3,)], "entry 1 is (3,); expected (start, end)"),
+    ([(0, 2), None], "entry 1 is None; expected (start, end)"),
+    ([(3, 1)], "entry 0 is (3, 1); expected 0 <= start <= end"),
+])
+def test_skyrl_malformed_prompt_boundaries(tmp_path, monkeypatch, capsys, bounds, message):
+    cls = skyrl_module(monkeypatch, True)
+    batch = skyrl_batch(cls, np.random.default_rng(8))
+    batch.metadata["policy_prompt_boundaries"] = bounds
+    d = tmp_path / "dumped_data"
+    d.mkdir()
+    with open(d / "global_step_2_training_input.pkl", "wb") as f:
+        pickle.dump(batch, f)
+    monkeypatch.undo()
+    assert main(["--from", "skyrl", str(d), "--out", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (f"error: {d / 'global_step_2_training_input.pkl'}: metadata 'policy_prompt_boundaries' "
+                   f"{message}")
+    assert not (tmp_path / "run").exists()
 
 
 def test_unknown_format_is_one_line(capsys, tmp_path):

@@ -2,7 +2,9 @@
 does not grow with the log, and the report notebook."""
 from __future__ import annotations
 
+import ast
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -16,6 +18,7 @@ from lab.diagnose import diagnose, make_meta
 from lab.diagnose.cli import TABLES, main
 from lab.diagnose.neutral import NeutralLogWriter
 from lab.diagnose.synthetic import random_log, simulate
+from lab.errors import LabError
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -109,6 +112,98 @@ def test_save_log_keeps_the_converted_log(tmp_path, capsys):
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
 
 
+@pytest.fixture
+def prime(tmp_path):
+    """A prime-rl export (30 records of step 1 and one without loss-masked tokens) in tmp_path/dump."""
+    from test_diagnose_adapters import prime_record, write_prime_export
+
+    rng = np.random.default_rng(8)
+    records = [prime_record(rng, 1, 0, 0, i, i, 4, 30) for i in range(30)]
+    empty = prime_record(rng, 1, 0, 0, 30, 30, 4, 3)
+    empty["loss_mask"] = [False] * len(empty["loss_mask"])
+    write_prime_export(tmp_path / "dump", {(1, 0): records + [empty]})
+    return tmp_path / "dump"
+
+
+def _listing(root: Path) -> list:
+    return sorted((str(p.relative_to(root)), p.is_dir() or p.read_bytes()) for p in root.rglob("*"))
+
+
+def test_output_paths_are_checked_before_any_work(prime, tmp_path, capsys):
+    (tmp_path / "afile").write_text("x")
+    before = _listing(tmp_path)
+    cases = [
+        (["--save-log", str(tmp_path / "afile" / "log")], f"{tmp_path / 'afile'} is a file",
+         "choose another --save-log"),
+        (["--out", str(tmp_path / "afile" / "run")], f"{tmp_path / 'afile'} is a file", "choose another --out"),
+        (["--out", str(tmp_path / "afile" / "deeper" / "run")], "is a file", "choose another --out"),
+        (["--out", str(prime)], f"--out {prime} is the input {prime}", "choose another --out"),
+        (["--out", str(tmp_path)], f"--out {tmp_path} contains the input {prime}", "choose another --out"),
+        (["--save-log", str(prime / "neutral")], "lies inside the input", "choose another --save-log"),
+        (["--out", str(tmp_path / "x"), "--save-log", str(tmp_path / "x")], "--out", "give them separate folders"),
+        (["--out", str(tmp_path / "x" / "run"), "--save-log", str(tmp_path / "x")], "lies inside --save-log",
+         "give them separate folders"),
+        (["--out", str(tmp_path / "afile")], "exists and is not a run folder", "--out"),
+        (["--save-log", str(tmp_path / "afile")], "exists and is not a rollout log folder", "another path"),
+        (["--nan", "ignore"], "nan must be 'error' or 'drop'", ""),
+        (["--pair", "both"], "pair must be natural, total, mismatch or update", ""),
+        (["-H", "tis_token.kap=3"], "has no hyper-parameter(s) kap", ""),
+    ]
+    for extra, first, second in cases:
+        assert main(["--from", "prime-rl", str(prime), *extra]) == 2, extra
+        out = capsys.readouterr()
+        assert out.out == "" and len(out.err.strip().splitlines()) == 1, extra
+        assert first in out.err and second in out.err, (extra, out.err)
+    assert _listing(tmp_path) == before  # nothing written, no staging folders, no parents left behind
+
+
+def test_outputs_under_missing_parents_and_notes(prime, tmp_path, capsys):
+    save, out = tmp_path / "a" / "b" / "neutral", tmp_path / "c" / "run"
+    assert main(["--from", "prime-rl", str(prime), "--save-log", str(save), "--out", str(out)]) == 0
+    printed = capsys.readouterr().out.splitlines()
+    assert "note: 1 records without loss-masked tokens skipped" in printed
+    assert printed[-2:] == [f"wrote {save}", f"wrote {out}"]
+    assert (save / "meta.json").exists() and (out / "summary.json").exists()
+    assert not [p for p in tmp_path.rglob(".*")]
+
+
+def test_no_partial_output(prime, tmp_path, capsys, monkeypatch):
+    """A failure at any point after the checks leaves neither output (nor its parents) and prints no verdict; a
+    failed final rename puts back the folders it was replacing."""
+    import lab.runs
+    from lab.diagnose import cli
+
+    save, out = tmp_path / "new" / "neutral", tmp_path / "new" / "run"
+
+    def broken_write_run(*a, **k):
+        raise LabError("disk full")
+
+    with monkeypatch.context() as m:
+        m.setattr(lab.runs, "write_run", broken_write_run)
+        assert main(["--from", "prime-rl", str(prime), "--save-log", str(save), "--out", str(out)]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.strip() == "error: disk full"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dump"]
+
+    assert main(["--from", "prime-rl", str(prime), "--save-log", str(save), "--out", str(out)]) == 0
+    capsys.readouterr()
+    old = _listing(tmp_path / "new")
+    real_replace = os.replace
+
+    def failing_replace(src, dst):
+        if Path(dst) == out and Path(src).name == "new":
+            raise OSError(28, "No space left on device")
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(cli.os, "replace", failing_replace)
+    assert main(["--from", "prime-rl", str(prime), "--save-log", str(save), "--out", str(out),
+                 "--temperature", "0.7"]) == 2  # a new log and a new run folder (both record the temperature)
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.strip() == ("error: cannot move the outputs into place (No space left "
+                                                           "on device); nothing was written")
+    assert _listing(tmp_path / "new") == old  # the earlier log and run folder, as they were
+
+
 MEASURE = textwrap.dedent("""
     import os, sys
     os.environ["LAB_QUIET"] = "1"
@@ -162,17 +257,17 @@ def test_report_notebook(tmp_path, monkeypatch):
     monkeypatch.chdir(ROOT)
     ns: dict = {}
     shown = []
-    for cell in code:
-        src = "".join(cell["source"]).replace("%matplotlib inline", "")
-        exec(compile(src, "rollout_diagnostics.ipynb", "exec"), ns)
+    for cell in code:  # as Jupyter runs a cell: the statements, then the value of a last expression is shown
+        body = ast.parse("".join(cell["source"]).replace("%matplotlib inline", "")).body
+        last = body.pop() if body and isinstance(body[-1], ast.Expr) else None
+        exec(compile(ast.Module(body, []), "rollout_diagnostics.ipynb", "exec"), ns)
+        if last is not None:
+            shown.append(eval(compile(ast.Expression(last.value), "rollout_diagnostics.ipynb", "eval"), ns))
         if cell is params[0]:
             ns.update(smoke)
-        last = src.strip().splitlines()[-1] if src.strip() else ""
-        if last and not last.startswith((" ", "pd.set_option", "if ", "with ")) and "=" not in last.split("(")[0]:
-            shown.append(eval(compile(last.rstrip(";"), "cell", "eval"), ns))
     assert {"config.json", "results.parquet", "summary.json"} <= {p.name for p in out.iterdir()}
     summary = json.loads((out / "summary.json").read_text())
     assert summary["n_steps"] == 3 and summary["verdict"] == ns["diag"].verdict
     figs = [x for x in shown if isinstance(x, matplotlib.figure.Figure)]
     assert len(figs) == 6
-    assert any(isinstance(x, pd.DataFrame) for x in shown)
+    assert any(isinstance(x, (pd.DataFrame, pd.io.formats.style.Styler)) for x in shown)  # tables, plain or styled

@@ -73,6 +73,21 @@ def test_tensor_writer_round_trip(tmp_path):
     assert seq["origin"].isna().all()
 
 
+def test_tensor_writer_takes_bfloat16(tmp_path):
+    """A bf16 trainer's tensors (log-probs, mask, advantages) are written as float32, exactly."""
+    B, T = 3, 4
+    mu = (-torch.rand(B, T, generator=torch.Generator().manual_seed(1))).to(torch.bfloat16)
+    mask = torch.ones(B, T, dtype=torch.bfloat16)
+    with RolloutLogWriter(tmp_path / "log", META) as w:
+        w.add(1, torch.arange(B), torch.zeros(B, T, dtype=torch.long), mask, mu, mu - 0.25, None, None,
+              torch.tensor([0.5, -1.0, 2.0], dtype=torch.bfloat16), None, None)
+    log = RolloutLog(tmp_path / "log")
+    tok = pq.read_table(tmp_path / "log" / "tokens.parquet").to_pandas()
+    assert log.meta["logp_dtype"] == "float32"
+    np.testing.assert_array_equal(tok["sampler_logp"].to_numpy(np.float32), mu.float().reshape(-1).numpy())
+    np.testing.assert_array_equal(tok["advantage"], np.repeat([0.5, -1.0, 2.0], T))
+
+
 def test_writer_is_atomic_and_refuses_foreign_paths(tmp_path):
     path = tmp_path / "log"
     with pytest.raises(RuntimeError):

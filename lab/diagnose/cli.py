@@ -3,18 +3,24 @@
 Prints the verdict and the headline numbers; ``--out DIR`` also writes a run folder (config.json,
 results.parquet, summary.json and one parquet file per table). Framework dumps are converted to the neutral
 format first (``--save-log DIR`` keeps the converted log). Bad input raises LabError: the main command prints it
-as one line and exits 2; nothing is written unless every step succeeded.
+as one line and exits 2. Every option and output path is checked before any work (an output may not be, contain
+or lie inside the input, nor overlap the other output); the outputs are built in hidden staging folders and
+renamed into place together at the end, so a failure leaves nothing written, and the verdict is printed only
+once everything is.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import sys
 import tempfile
 from pathlib import Path
 
+from lab.configs import seed_arg
 from lab.errors import LabError
+from lab.runs import remove_empty
 
 TABLES = ("per_step", "overall", "by_probability", "by_length", "growth", "staleness", "corrections", "histograms")
 
@@ -44,7 +50,7 @@ def add_parser(subparsers):
     p.add_argument("--top-p", type=float, default=None, help="the sampler's top-p, if the log lacks it")
     p.add_argument("--top-k", type=int, default=None, help="the sampler's top-k, if the log lacks it")
     p.add_argument("--chunk-rows", type=int, default=1 << 18, help="token rows per streamed chunk")
-    p.add_argument("--seed", type=int, default=0, help="seed of the bootstrap intervals")
+    p.add_argument("--seed", type=seed_arg, default=0, help="seed of the bootstrap intervals")
     p.set_defaults(func=run)
     return p
 
@@ -95,24 +101,114 @@ def headline_text(diag) -> str:
     return "\n".join(lines)
 
 
+def _overlap(a: Path, b: Path) -> str | None:
+    """How folder ``a`` relates to ``b`` when one would clobber the other: "is", "contains", "lies inside"."""
+    a, b = Path(a).resolve(), Path(b).resolve()
+    if a == b:
+        return "is"
+    if a in b.parents:
+        return "contains"
+    if b in a.parents:
+        return "lies inside"
+    return None
+
+
+def check_targets(path: Path, out: Path | None, save_log: Path | None) -> None:
+    """Refuse, before any work, an output that would replace or sit inside the input, two outputs that overlap, and
+    an output that cannot be written or holds something else (lab.runs.check_out_dir, neutral.check_log_target)."""
+    from lab.diagnose.neutral import check_log_target
+    from lab.runs import check_out_dir, check_writable
+
+    targets = [(flag, Path(p)) for flag, p in (("--out", out), ("--save-log", save_log)) if p is not None]
+    for flag, p in targets:
+        how = _overlap(p, path)
+        if how:
+            raise LabError(f"{flag} {p} {how} the input {path}; choose another {flag}")
+    if out is not None and save_log is not None and (how := _overlap(out, save_log)):
+        raise LabError(f"--out {out} {how} --save-log {save_log}; give them separate folders")
+    for flag, p in targets:
+        blocker = next((a for a in p.absolute().parents if a.exists() and not a.is_dir()), None)
+        if blocker is not None:
+            raise LabError(f"cannot write to {p}: {blocker} is a file, not a folder; choose another {flag}")
+        try:
+            check_writable(p)
+        except LabError as e:
+            raise LabError(str(e).replace("choose another --out", f"choose another {flag}")) from None
+    if out is not None:
+        check_out_dir(out)
+    if save_log is not None:
+        check_log_target(save_log)
+
+
+class Outputs:
+    """Output folders written all together or not at all: each is built in a hidden staging folder beside it
+    (``stage(dest)``), and ``commit()`` renames them all into place, putting back what it replaced if a rename
+    fails. ``close()`` removes the staging folders, and after a failure the parent folders it created."""
+
+    def __init__(self, dests):
+        dests = [Path(d) for d in dests]
+        made = {p for d in dests for p in (d.parent, *d.parent.parents) if not p.exists()}
+        self.made = sorted(made, key=lambda p: len(p.parts), reverse=True)  # innermost first
+        self._stages, self.committed = {}, False
+        try:
+            for d in dests:
+                d.parent.mkdir(parents=True, exist_ok=True)
+                self._stages[d] = Path(tempfile.mkdtemp(prefix=f".{d.name}.", dir=d.parent))
+        except BaseException:
+            self.close()
+            raise
+
+    def stage(self, dest: Path) -> Path:
+        return self._stages[Path(dest)] / "new"
+
+    def commit(self) -> None:
+        done = []
+        try:
+            for dest, tmp in self._stages.items():
+                if dest.exists():
+                    os.replace(dest, tmp / "old")
+                done.append((dest, tmp))
+                os.replace(tmp / "new", dest)
+        except BaseException as e:
+            for dest, tmp in reversed(done):
+                if not (tmp / "new").exists() and dest.exists():
+                    os.replace(dest, tmp / "new")
+                if (tmp / "old").exists():
+                    os.replace(tmp / "old", dest)
+            if isinstance(e, OSError):
+                raise LabError(f"cannot move the outputs into place ({e.strerror or e}); nothing was written") from None
+            raise
+        self.committed = True
+
+    def close(self) -> None:
+        for tmp in self._stages.values():
+            shutil.rmtree(tmp, ignore_errors=True)
+        if not self.committed:
+            remove_empty(self.made)
+
+
 def run(args) -> int:
     from lab.diagnose.adapters import FORMATS, convert
-    from lab.diagnose.streaming import diagnose
-    from lab.diagnose.neutral import RolloutLog, check_log_target
+    from lab.diagnose.corrections import PAIR_ORDER, resolve
+    from lab.diagnose.neutral import RolloutLog
     from lab.diagnose.schema import check_meta
-    from lab.runs import check_out_dir, write_run
+    from lab.diagnose.streaming import check_options, diagnose
+    from lab.runs import write_run
 
     if args.fmt not in FORMATS:
         raise LabError(f"unknown log format {args.fmt!r} for --from; known formats: {', '.join(FORMATS)}")
-    if args.out is not None:
-        check_out_dir(args.out)
-    if args.save_log is not None:
-        if args.fmt == "lab":
-            raise LabError("--save-log keeps a converted framework dump; a --from lab log is already neutral")
-        check_log_target(args.save_log)
+    if args.save_log is not None and args.fmt == "lab":
+        raise LabError("--save-log keeps a converted framework dump; a --from lab log is already neutral")
+    check_options(args.nan, args.pair, args.chunk_rows)
     hyper = parse_hyper(args.hyper)
+    resolve(PAIR_ORDER, pair=args.pair, hyper=hyper)  # unknown names, keys or values: before any work
     sampling = _sampling(args)
-    stage = Path(tempfile.mkdtemp(prefix=".lab-diagnose.", dir=args.save_log.parent if args.save_log else None))
+    if not Path(args.path).exists():
+        raise LabError(f"{args.path}: no such file or folder")
+    check_targets(args.path, args.out, args.save_log)
+
+    outputs = Outputs(p for p in (args.save_log, args.out) if p is not None)
+    scratch = None
     try:
         if args.fmt == "lab":
             log = RolloutLog(args.path)
@@ -120,26 +216,31 @@ def run(args) -> int:
                 log.meta["sampling"].update(sampling)
                 check_meta(log.meta, log.path / "meta.json")
         else:
-            log = RolloutLog(convert(args.fmt, args.path, stage / "log", trust=args.trust_pickle, sampling=sampling))
+            if args.save_log is not None:
+                dest = outputs.stage(args.save_log)
+            else:
+                scratch = Path(tempfile.mkdtemp(prefix=".lab-diagnose."))
+                dest = scratch / "log"
+            log = RolloutLog(convert(args.fmt, args.path, dest, trust=args.trust_pickle, sampling=sampling))
         diag = diagnose(log, nan=args.nan, pair=args.pair, hyper=hyper, chunk_rows=args.chunk_rows, seed=args.seed)
-        summary = plain(diag.summary)
-        print(headline_text(diag))
         if args.out is not None:
             config = {"command": "diagnose", "from": args.fmt, "path": str(args.path), "nan": args.nan,
                       "pair": args.pair, "hyper": hyper, "sampling_overrides": sampling, "chunk_rows": args.chunk_rows,
                       "seed": args.seed, "log_meta": plain(log.meta)}
             extra = {f"{name}.parquet": (lambda p, df=diag.tables[name]: df.to_parquet(p, index=False))
                      for name in TABLES if name in diag.tables}
-            write_run(args.out, config, diag.tables["results"], summary, extra=extra)
-            print(f"wrote {args.out}")
-        if args.save_log is not None:
-            from lab.runs import replace_dir
-
-            check_log_target(args.save_log)
-            replace_dir(stage / "log", args.save_log)
-            print(f"wrote {args.save_log}")
+            write_run(outputs.stage(args.out), config, diag.tables["results"], plain(diag.summary), extra=extra)
+        outputs.commit()
     finally:
-        shutil.rmtree(stage, ignore_errors=True)
+        outputs.close()
+        if scratch is not None:
+            shutil.rmtree(scratch, ignore_errors=True)
+    print(headline_text(diag))
+    for note in diag.summary.get("notes") or []:
+        print(f"note: {note}")
+    for p in (args.save_log, args.out):
+        if p is not None:
+            print(f"wrote {p}")
     return 0
 
 

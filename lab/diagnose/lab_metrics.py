@@ -3,7 +3,7 @@
 Same formulas as lab.engine.training (``weight_metrics``), same dtypes, same [B, T] layout, so the numbers are equal:
 
     delta = (log pi - log mu) * mask   (in the log-prob dtype, then float64)     L = delta.sum(-1)
-    ess_frac = Kish ESS fraction of L       chi2_seq = mean e^(2L) - 1       khat = PSIS k-hat of L
+    ess_frac = Kish ESS fraction of L       chi2_seq_sampled = mean e^(2L) - 1       khat = PSIS k-hat of L
     k3_token = sum(k3(delta) * mask) / n_tok,  k3(d) = e^d - 1 - d              n_tok = max(sum mask, 1)
     mismatch_abs_logprob = sum(|log pi_old - log mu| * mask) / n_tok
 
@@ -22,7 +22,7 @@ from lab import diagnostics
 from lab.diagnose.neutral import RolloutLog
 from lab.errors import LabError
 
-METRICS = ("ess_frac", "chi2_seq", "k3_token", "khat", "mismatch_abs_logprob")
+METRICS = ("ess_frac", "chi2_seq_sampled", "k3_token", "khat", "mismatch_abs_logprob")
 
 
 def weight_metrics_tensors(lp_pi: torch.Tensor, lp_mu: torch.Tensor, lp_old: torch.Tensor, mask: torch.Tensor) -> dict:
@@ -31,7 +31,7 @@ def weight_metrics_tensors(lp_pi: torch.Tensor, lp_mu: torch.Tensor, lp_old: tor
     L = delta.sum(-1)
     n_tok = float(mask.sum().clamp(min=1.0))
     return {"ess_frac": float(diagnostics.kish_ess_fraction(L)),
-            "chi2_seq": float(diagnostics.chi2(L)),
+            "chi2_seq_sampled": float(diagnostics.chi2(L)),
             "k3_token": float((diagnostics.kl_k3(delta) * mask).sum()) / n_tok,
             "khat": float(diagnostics.psis_khat(L.numpy())),
             "mismatch_abs_logprob": float(((lp_old - lp_mu).abs() * mask).sum()) / n_tok}

@@ -186,7 +186,11 @@ def _np(x, name: str, shape=None, dtype=None):
     if x is None:
         return None
     if hasattr(x, "detach"):
-        x = x.detach().cpu().numpy()
+        x = x.detach().cpu()
+        try:
+            x = x.numpy()
+        except TypeError:  # bfloat16 and other dtypes numpy lacks: widened to float32 (exact for bfloat16)
+            x = x.float().numpy()
     x = np.asarray(x) if dtype is None else np.asarray(x, dtype=dtype)
     if shape is not None and x.shape not in shape:
         raise LabError(f"{name} has shape {x.shape}, expected one of {sorted(set(shape))}")
@@ -204,7 +208,8 @@ class RolloutLogWriter:
     ``advantages`` and ``version`` [B] or [B, T]; ``trainer_version`` an int or [B]. A log-prob argument is None
     exactly when the metadata declares it absent. Each row keeps its positions up to its last loss-masked token
     (trailing padding is dropped; gaps inside the response stay, with loss_mask 0). ``meta=None`` describes a lab
-    run (``LAB_LOGP``). ``batch_width`` is recorded when every batch has the same T, so that per-batch
+    run (``LAB_LOGP``). Tensors may be on any device and of any dtype (bfloat16 log-probs are stored as float32,
+    exactly). ``batch_width`` is recorded when every batch has the same T, so that per-batch
     diagnostics can be recomputed exactly as the trainer summed them (lab.diagnose.lab_metrics).
     """
 

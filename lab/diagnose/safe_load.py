@@ -56,7 +56,8 @@ def torch_load(path: Path, trust: bool = False):
         what = f"objects of class {', '.join(names[:3])}" if names else "objects beyond tensors, numpy and builtins"
         raise LabError(f"{path}: holds {what}, which the restricted loader refuses; {TRUST_HINT}") from None
     except (RuntimeError, EOFError, OSError, ValueError) as e:
-        raise LabError(f"{path}: not a readable torch.save file ({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
+        why = str(e).splitlines()[0].split(". ")[0] if str(e) else type(e).__name__
+        raise LabError(f"{path}: not a readable torch.save file, truncated or corrupt? ({why})") from None
 
 
 # ------------------------------------------------------------------------------------------------ SkyRL

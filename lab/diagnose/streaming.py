@@ -10,10 +10,12 @@ Sequence log-weight L = sum_t m_t delta_t (a plain sum, no length division), W =
 taken in the log's log-prob dtype and then widened to float64, as the lab's trainer does.
 
 Memory: one chunk of token rows (``chunk_rows``, 256k by default) and one parquet row group (the writers use 1M
-rows), plus about 1 KB per sequence at peak (40 float64 accumulators and the bootstrap's per-sequence sums) and
-one 641-bin histogram per step and pair. It does not grow with the number of tokens: measured peak above the
-resident size at start, 316 MiB for a 10M-token log and 391 MiB for 30M (benchmarks/bench_diagnose.py). Torch
-work (the corrections' coefficients) runs on one thread: on elementwise chunk work more threads add contention.
+rows), one 641-bin histogram per step and pair, and about 1.1 KB per sequence at peak (the sequences table, 40
+float64 accumulators and the bootstrap's per-sequence sums). It does not grow with the number of tokens but does
+with the number of sequences: measured peak above the resident size at start, 316 MiB for a 10M-token log and
+391 MiB for 30M of 256-token responses, 798 MiB for 4M tokens of 8-token responses (0.5M sequences;
+benchmarks/bench_diagnose.py --mean-len). Torch work (the corrections' coefficients) runs on one thread: on
+elementwise chunk work more threads add contention.
 
 Bad input stops with one LabError naming the file and row: an unknown (run, step, sample_id), a sequence whose
 token rows do not match its ``response_length``, or missing/NaN log-probs on loss-masked tokens. With
@@ -22,19 +24,18 @@ statistics leave out its whole sequence), and the counts are reported in the sum
 """
 from __future__ import annotations
 
-import os
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import numpy as np
 import pandas as pd
 import torch
-from tqdm import tqdm
 
 from lab.diagnose import histogram as H
 from lab.diagnose.corrections import CORRECTIONS, resolve, token_effect
 from lab.diagnose.neutral import RolloutLog
 from lab.errors import LabError
+from lab.progress import bar as progress_bar
 
 PAIRS = {"mismatch": ("old_logp", "sampler_logp"), "update": ("current_logp", "old_logp"),
          "total": ("current_logp", "sampler_logp")}
@@ -44,10 +45,6 @@ LOW_P = 0.1
 MAX_LAG = 64  # lag buckets 0..63, 64 = "64 or more", 65 = negative, 66 = unknown
 KHAT_WARN = 0.7
 QS = (0.01, 0.05, 0.5, 0.95, 0.99)
-
-
-def quiet() -> bool:
-    return bool(os.environ.get("LAB_QUIET") or os.environ.get("CI"))
 
 
 @dataclass
@@ -312,15 +309,20 @@ def _has_origin(row) -> bool:
 def diagnose(log, *, nan: str = "error", pair: str = "natural", hyper: dict | None = None, corrections=CORRECTIONS,
              chunk_rows: int = 1 << 18, progress: bool | None = None, seed: int = 0) -> Diagnostics:
     """Stream ``log`` (a RolloutLog or a path) once and compute every diagnostic. See the module docstring."""
+    check_options(nan, pair, chunk_rows)
+    log = log if isinstance(log, RolloutLog) else RolloutLog(log)
+    with _torch_threads(1):  # elementwise work on chunks: more threads add contention, not speed
+        return _diagnose(log, nan, pair, hyper, corrections, chunk_rows, progress, seed)
+
+
+def check_options(nan: str = "error", pair: str = "natural", chunk_rows: int = 1) -> None:
+    """LabError for a ``nan``, ``pair`` or ``chunk_rows`` that ``diagnose`` does not take."""
     if nan not in ("error", "drop"):
         raise LabError(f"nan must be 'error' or 'drop', got {nan!r}")
     if pair not in ("natural", "total", "mismatch", "update"):
         raise LabError(f"pair must be natural, total, mismatch or update, got {pair!r}")
     if int(chunk_rows) < 1:
         raise LabError(f"chunk_rows must be a positive integer, got {chunk_rows!r}")
-    log = log if isinstance(log, RolloutLog) else RolloutLog(log)
-    with _torch_threads(1):  # elementwise work on chunks: more threads add contention, not speed
-        return _diagnose(log, nan, pair, hyper, corrections, chunk_rows, progress, seed)
 
 
 @contextmanager
@@ -336,8 +338,7 @@ def _torch_threads(n: int):
 def _diagnose(log, nan, pair, hyper, corrections, chunk_rows, progress, seed) -> Diagnostics:
     st = _Pass(log, nan, pair, hyper, corrections, chunk_rows)
     cols = ["run", "step", "sample_id", "position", "loss_mask", "advantage", "version", *log.logp_columns]
-    bar = tqdm(total=log.n_token_rows, unit="tok", unit_scale=True, desc="diagnose",
-               disable=quiet() if progress is None else not progress)
+    bar = progress_bar(log.n_token_rows, "diagnose", enabled=progress, unit="tok", unit_scale=True)
     try:
         for offset, chunk in log.iter_tokens(cols, chunk_rows):
             st.chunk(offset, chunk)
@@ -349,4 +350,4 @@ def _diagnose(log, nan, pair, hyper, corrections, chunk_rows, progress, seed) ->
     return build(st, seed=seed)
 
 
-__all__ = ["Diagnostics", "KHAT_WARN", "LOW_P", "PAIRS", "PAIR_TEXT", "P_EDGES", "diagnose"]
+__all__ = ["Diagnostics", "KHAT_WARN", "LOW_P", "PAIRS", "PAIR_TEXT", "P_EDGES", "check_options", "diagnose"]

@@ -1,10 +1,11 @@
 """From the accumulated state of a pass (lab.diagnose.streaming) to the report's tables, summary and verdict.
 
 Per step and pair, over the step's sequences (those without NaN tokens): Kish ESS fraction (sum W)^2 / (n sum W^2)
-(Kish 1965), chi2 = mean W^2 - 1, max-weight share, PSIS Pareto k-hat (Vehtari et al. 2024; > 0.7: unreliable;
-NaN below 25 sequences), the *dominant share* (the smallest fraction of the step's sequences that holds half of
-its total weight W), k3 = mean over tokens of e^delta - 1 - delta (Schulman 2020), and the token log-ratio's
-moments and quantiles. These are lab.diagnostics' functions, the ones the training simulator logs.
+(Kish 1965), ``chi2_seq_sampled`` = mean W^2 - 1 (the sampled estimate; lab.engine.exact's ``chi2_seq`` is the
+exact one), max-weight share, PSIS Pareto k-hat (Vehtari et al. 2024; > 0.7: unreliable; NaN below 25 sequences),
+the *dominant share* (the smallest fraction of the step's sequences that holds half of its total weight W),
+k3 = mean over tokens of e^delta - 1 - delta (Schulman 2020), and the token log-ratio's moments and quantiles.
+These are lab.diagnostics' functions, the ones the training simulator logs.
 """
 from __future__ import annotations
 
@@ -33,12 +34,12 @@ def dominant_share(L: np.ndarray) -> float:
 def sequence_stats(L: np.ndarray) -> dict:
     """Weight diagnostics of one step's sequence log-weights (lab.diagnostics, float64)."""
     if L.size == 0:
-        return dict.fromkeys(("ess_frac", "chi2_seq", "max_weight_share", "khat", "dominant_share", "logw_mean",
+        return dict.fromkeys(("ess_frac", "chi2_seq_sampled", "max_weight_share", "khat", "dominant_share", "logw_mean",
                               "logw_sd", "w_median", "w_mean"), np.nan)
     t = torch.from_numpy(np.array(L, dtype=np.float64))
     with np.errstate(over="ignore"):
         w_mean = float(np.mean(np.exp(np.minimum(L, 700.0))))
-    return {"ess_frac": float(wd.kish_ess_fraction(t)), "chi2_seq": float(wd.chi2(t)),
+    return {"ess_frac": float(wd.kish_ess_fraction(t)), "chi2_seq_sampled": float(wd.chi2(t)),
             "max_weight_share": float(wd.max_weight_share(t)), "khat": float(wd.psis_khat(L)),
             "dominant_share": dominant_share(L), "logw_mean": float(L.mean()),
             "logw_sd": float(L.std(ddof=1)) if L.size > 1 else np.nan, "w_median": float(np.exp(np.median(L))),

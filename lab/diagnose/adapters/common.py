@@ -9,13 +9,57 @@ from lab.errors import LabError
 FLUSH_TOKENS = 1 << 18
 
 
+def _entries(values, where: str, name: str, ok, expected: str) -> None:
+    """One LabError naming the first entry of the list ``values`` for which ``ok`` is false."""
+    bad = next((i for i, v in enumerate(values) if not ok(v)), None)
+    if bad is not None:
+        raise LabError(f"{where}: {name!r} entry {bad} is {values[bad]!r:.40}; expected {expected}")
+
+
+def _number(v) -> bool:
+    return v is None or isinstance(v, (int, float, np.number))
+
+
 def float_array(values, where: str, name: str) -> np.ndarray:
-    """A float64 array from a list that may hold None (-> NaN); one LabError for anything else."""
+    """A float64 array from a list of numbers that may hold None (-> NaN), or from a tensor or array; one LabError
+    naming the entry for anything else (a string, a nested list)."""
+    if isinstance(values, list):
+        _entries(values, where, name, _number, "a number or null")
+        return np.array([np.nan if v is None else v for v in values], dtype=np.float64)
     try:
-        return np.array([np.nan if v is None else v for v in values], dtype=np.float64) if isinstance(values, list) \
-            else np.asarray(values, dtype=np.float64).reshape(-1)
+        values = values.detach().cpu().float().numpy() if hasattr(values, "detach") else values
+        return np.asarray(values, dtype=np.float64).reshape(-1)
     except (TypeError, ValueError):
         raise LabError(f"{where}: {name!r} must be a list of numbers") from None
+
+
+def int_array(values, where: str, name: str) -> np.ndarray:
+    """An int64 array from a list of integers, a tensor or an array; one LabError naming the entry otherwise."""
+    if hasattr(values, "detach"):
+        if values.is_floating_point():
+            raise LabError(f"{where}: {name!r} is a {values.dtype} tensor; expected integers")
+        values = values.detach().cpu().numpy()
+    if isinstance(values, np.ndarray) and values.dtype.kind in "iub":
+        return values.astype(np.int64).reshape(-1)
+    if isinstance(values, np.ndarray):
+        values = values.tolist()
+    if not isinstance(values, (list, tuple)):
+        raise LabError(f"{where}: {name!r} must be a list of integers, got {type(values).__name__}")
+    _entries(values, where, name, lambda v: isinstance(v, (int, np.integer)) and -2**63 <= v < 2**63,
+             "an integer")
+    return np.array(values, dtype=np.int64)
+
+
+def mask_array(values, where: str, name: str) -> np.ndarray:
+    """A bool array (nonzero = true) from a list of booleans / 0-1 integers, a tensor or an array."""
+    if hasattr(values, "detach"):
+        values = (values.detach() != 0).cpu().numpy()
+    if isinstance(values, np.ndarray) and values.dtype.kind in "iubf":
+        return values.reshape(-1) != 0
+    if not isinstance(values, (list, tuple)):
+        raise LabError(f"{where}: {name!r} must be a list of booleans, got {type(values).__name__}")
+    _entries(values, where, name, lambda v: isinstance(v, (bool, int, np.bool_, np.integer)), "true/false (or 0/1)")
+    return np.fromiter((bool(v) for v in values), dtype=bool, count=len(values))
 
 
 def int_version(v):

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from lab.diagnose.adapters.common import SequenceBuffer, float_array
+from lab.diagnose.adapters.common import SequenceBuffer, float_array, int_array, mask_array
 from lab.diagnose.neutral import NeutralLogWriter
 from lab.diagnose.schema import make_meta
 from lab.errors import LabError
@@ -59,8 +59,9 @@ def _advantages(rec: dict, n: int, where: str):
         return float_array(adv, where, "advantages")
     losses = rec.get("losses")  # later releases: per-token {"rl": {"advantage": a, "mask": m}, ...}
     if isinstance(losses, list) and len(losses) == n:
-        return np.array([np.nan if not isinstance(x, dict) or "rl" not in x or x["rl"].get("advantage") is None
-                         else x["rl"]["advantage"] for x in losses], dtype=np.float64)
+        rl = [x.get("rl") if isinstance(x, dict) else None for x in losses]
+        return float_array([x.get("advantage") if isinstance(x, dict) else None for x in rl], where,
+                           "losses[t].rl.advantage")
     return None
 
 
@@ -98,16 +99,14 @@ def convert(path, out, *, trust: bool = False, sampling: dict | None = None, pro
                         v = rec.get(k)
                         if isinstance(v, list) and len(v) != n:
                             raise LabError(f"{where}: {k!r} has {len(v)} entries but 'token_ids' has {n}")
-                    if any(m is None for m in rec["loss_mask"]):
-                        raise LabError(f"{where}: 'loss_mask' holds null entries")
-                    mask = np.asarray(rec["loss_mask"], dtype=bool)
+                    mask = mask_array(rec["loss_mask"], where, "loss_mask")
                     if not mask.any():
                         skipped += 1
                         continue
                     first = int(np.argmax(mask))
                     last = n - 1 - int(np.argmax(mask[::-1]))
                     sl = slice(first, last + 1)
-                    tokens = np.asarray(rec["token_ids"], dtype=np.int64)
+                    tokens = int_array(rec["token_ids"], where, "token_ids")
                     adv = _advantages(rec, n, where)
                     ent = rec.get("entropy")
                     rewards = rec.get("rewards")
@@ -117,12 +116,16 @@ def convert(path, out, *, trust: bool = False, sampling: dict | None = None, pro
                         r = r[np.isfinite(r)]
                         reward = float(r[0]) if r.size else None
                     if isinstance(rec.get("temperatures"), list):
-                        temps.update(float(t) for t in rec["temperatures"] if t is not None)
+                        t = float_array(rec["temperatures"], where, "temperatures")
+                        temps.update(t[np.isfinite(t)].tolist())
                     run = rec.get("run_id") or ""
+                    if not isinstance(run, (str, int)):
+                        raise LabError(f"{where}: 'run_id' is {run!r:.40}; expected a string or null")
+                    run = str(run)
                     step = rec.get("export_step", rec.get("step"))
                     if step is None and dir_step:
                         step = int(dir_step.group(1))
-                    if not isinstance(step, int):
+                    if not isinstance(step, int) or isinstance(step, bool):
                         raise LabError(f"{where}: record has no integer 'export_step' or 'step'")
                     sid = counters.get((run, step), 0)
                     counters[(run, step)] = sid + 1
@@ -131,7 +134,7 @@ def convert(path, out, *, trust: bool = False, sampling: dict | None = None, pro
                         a = adv[sl][mask[sl]]
                         a = a[np.isfinite(a)]
                         seq_adv = float(a[0]) if a.size else None
-                    buf.add(str(run), int(step), sid,
+                    buf.add(run, int(step), sid,
                             {"token_id": tokens[sl], "loss_mask": mask[sl],
                              "sampler_logp": float_array(rec["inference_logprobs"], where, "inference_logprobs")[sl],
                              "old_logp": float_array(rec["trainer_logprobs"], where, "trainer_logprobs")[sl],

@@ -25,6 +25,7 @@ import re
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from lab.diagnose.adapters.common import SequenceBuffer
 from lab.diagnose.neutral import NeutralLogWriter
@@ -44,7 +45,8 @@ def find_files(path: Path) -> list[tuple[int | None, Path]]:
     if path.is_file():
         m = _NAME.search(path.name)
         return [(int(m.group(1)) if m else None, path)]
-    files = [(int(_NAME.search(f.name).group(1)), f) for f in path.rglob("global_step_*_training_input.pkl")]
+    files = [(int(m.group(1)), f) for f in path.rglob("global_step_*_training_input.pkl")
+             if (m := _NAME.search(f.name))]
     if not files:
         raise LabError(f"{path}: no SkyRL dumps (dumped_data/global_step_N_training_input.pkl) found; enable them with "
                        f"trainer.dump_data_batch=true")
@@ -65,16 +67,25 @@ def _fields(batch, source: Path) -> tuple[dict, dict]:
     return fields, meta if isinstance(meta, dict) else {}
 
 
-def _groups(meta: dict, B: int):
+def _groups(meta: dict, B: int, source: Path):
     bounds = meta.get("policy_prompt_boundaries")
     if isinstance(bounds, (list, tuple)) and bounds:
         g = np.full(B, np.nan)
         for k, be in enumerate(bounds):
-            s, e = int(be[0]), int(be[1])
+            try:
+                s, e = int(be[0]), int(be[1])
+            except (TypeError, ValueError, IndexError, KeyError):
+                raise LabError(f"{source}: metadata 'policy_prompt_boundaries' entry {k} is {be!r:.40}; expected "
+                               f"(start, end)") from None
+            if not 0 <= s <= e:
+                raise LabError(f"{source}: metadata 'policy_prompt_boundaries' entry {k} is ({s}, {e}); expected "
+                               f"0 <= start <= end")
             g[s:min(e, B)] = k
         return g
     uids = meta.get("uids")
     if isinstance(uids, (list, tuple)) and len(uids) >= 1:
+        if not all(isinstance(u, (str, int)) for u in uids):
+            raise LabError(f"{source}: metadata 'uids' must be a list of strings")
         codes = {u: i for i, u in enumerate(dict.fromkeys(uids))}
         g = np.full(B, np.nan)
         g[:len(uids)] = [codes[u] for u in uids[:B]]
@@ -100,6 +111,10 @@ def convert(path, out, *, trust: bool = False, sampling: dict | None = None, pro
                             ("loss_mask", "the loss mask")):
                 if fields.get(k) is None:
                     raise LabError(f"{f}: {k!r} is missing or None: it holds {what}; nothing to compare against")
+            for k in ("loss_mask", "rollout_logprobs", "action_log_probs", "advantages", "response_mask", "rewards",
+                      "sequences"):
+                if fields.get(k) is not None and not torch.is_tensor(fields[k]):
+                    raise LabError(f"{f}: {k!r} is a {type(fields[k]).__name__}, expected a tensor")
             lm = fields["loss_mask"]
             if lm.dim() != 2:
                 raise LabError(f"{f}: 'loss_mask' has shape {tuple(lm.shape)}, expected [batch, response_length]")
@@ -112,14 +127,14 @@ def convert(path, out, *, trust: bool = False, sampling: dict | None = None, pro
             seqs = fields.get("sequences")
             if seqs is not None and (seqs.dim() != 2 or seqs.shape[0] != B or seqs.shape[1] < R):
                 raise LabError(f"{f}: 'sequences' has shape {tuple(seqs.shape)}, expected [{B}, prompt + {R}]")
-            mask = lm.numpy() > 0
-            extent = (fields["response_mask"].numpy() > 0) if fields.get("response_mask") is not None else mask
+            mask = (lm != 0).numpy()
+            extent = (fields["response_mask"] != 0).numpy() if fields.get("response_mask") is not None else mask
             samp = fields["rollout_logprobs"].float().numpy().astype(np.float64)
             old = fields["action_log_probs"].float().numpy().astype(np.float64)
             adv = fields["advantages"].float().numpy().astype(np.float64) if fields.get("advantages") is not None else None
             rew = fields["rewards"].float().numpy().astype(np.float64) if fields.get("rewards") is not None else None
-            resp = seqs[:, -R:].numpy() if seqs is not None else None
-            groups = _groups(meta, B)
+            resp = seqs[:, -R:].long().numpy() if seqs is not None else None
+            groups = _groups(meta, B, f)
             for b in range(B):
                 if not mask[b].any():
                     skipped += 1

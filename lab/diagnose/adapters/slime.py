@@ -27,9 +27,8 @@ import re
 from pathlib import Path
 
 import numpy as np
-import torch
 
-from lab.diagnose.adapters.common import SequenceBuffer, float_array, int_version
+from lab.diagnose.adapters.common import SequenceBuffer, float_array, int_array, int_version, mask_array
 from lab.diagnose.neutral import NeutralLogWriter
 from lab.diagnose.safe_load import torch_load
 from lab.diagnose.schema import make_meta
@@ -78,7 +77,9 @@ def _train_samples(files: list[Path], trust: bool) -> list[tuple[Path, int, dict
                 raise LabError(f"{f}: 'samples' is missing or not a list")
         elif isinstance(payload.get("rollout_data"), dict):  # one DP rank's columns
             cols = payload["rollout_data"]
-            n = len(cols.get("response_lengths", []))
+            if not isinstance(cols.get("response_lengths"), (list, tuple)):
+                raise LabError(f"{f}: 'rollout_data' has no 'response_lengths' list")
+            n = len(cols["response_lengths"])
             samples = [{k: (v[i] if isinstance(v, (list, tuple)) and len(v) == n else v) for k, v in cols.items()}
                        for i in range(n)]
             for s in samples:
@@ -95,7 +96,7 @@ def _vec(sample: dict, key: str, where: str, n: int, required: bool = True):
         if required:
             raise LabError(f"{where}: no {key!r}")
         return None
-    arr = v.detach().float().numpy().astype(np.float64) if torch.is_tensor(v) else float_array(list(v), where, key)
+    arr = float_array(v, where, key)
     if arr.shape != (n,):
         raise LabError(f"{where}: {key!r} has {arr.size} entries but response_lengths is {n}")
     return arr
@@ -111,43 +112,50 @@ def convert(path, out, *, trust: bool = False, sampling: dict | None = None, pro
             rollout = []
             if rollout_file.exists():
                 payload = torch_load(rollout_file, trust)
-                rollout = payload.get("samples", []) if isinstance(payload, dict) else []
-            by_index = {s.get("index"): s for s in rollout if isinstance(s, dict) and s.get("index") is not None}
+                rollout = payload.get("samples") if isinstance(payload, dict) else None
+                if not isinstance(rollout, list):
+                    raise LabError(f"{rollout_file}: expected a dict with a 'samples' list")
+            by_index = {s["index"]: s for s in rollout if isinstance(s, dict) and isinstance(s.get("index"), int)}
             for f, i, s in _train_samples(files, trust):
                 where = f"{f} sample {i}"
                 if not isinstance(s, dict):
                     raise LabError(f"{where}: expected a dict, got {type(s).__name__}")
                 try:
                     n, total = int(s["response_lengths"]), int(s["total_lengths"])
+                    pos, idx = (None if s.get(k) is None else int(s[k]) for k in ("rollout_position", "sample_index"))
                 except (KeyError, TypeError, ValueError):
-                    raise LabError(f"{where}: needs integer 'response_lengths' and 'total_lengths'") from None
-                toks = s.get("tokens")
-                toks = toks.numpy() if torch.is_tensor(toks) else np.asarray(toks if toks is not None else [], np.int64)
-                if toks.size != total or n > total:
+                    raise LabError(f"{where}: needs integer 'response_lengths' and 'total_lengths' (and "
+                                   f"'rollout_position', 'sample_index' when present)") from None
+                toks = int_array(s["tokens"] if s.get("tokens") is not None else [], where, "tokens")
+                if toks.size != total or not 0 <= n <= total:
                     raise LabError(f"{where}: 'tokens' has {toks.size} entries but total_lengths is {total} "
                                    f"(response_lengths {n})")
-                mask = s.get("loss_masks")
-                mask = mask.numpy() if torch.is_tensor(mask) else np.asarray(mask if mask is not None else [1] * n)
+                mask = mask_array(s["loss_masks"], where, "loss_masks") if s.get("loss_masks") is not None \
+                    else np.ones(n, bool)
                 if mask.shape != (n,):
                     raise LabError(f"{where}: 'loss_masks' has {mask.size} entries but response_lengths is {n}")
-                pos, idx = s.get("rollout_position"), s.get("sample_index")
-                rs = rollout[int(pos)] if pos is not None and 0 <= int(pos) < len(rollout) else by_index.get(idx)
-                versions = [int_version(v) for v in (rs or {}).get("weight_versions") or []]
+                rs = rollout[pos] if pos is not None and 0 <= pos < len(rollout) else by_index.get(idx)
+                rs = rs if isinstance(rs, dict) else {}
+                wv = rs.get("weight_versions") or []
+                versions = [int_version(v) for v in (wv if isinstance(wv, (list, tuple)) else [wv])]
                 versions = [v for v in versions if np.isfinite(v)]
-                reward = (rs or {}).get("reward")
+                reward = rs.get("reward")
                 reward = float(reward) if isinstance(reward, (int, float)) and not isinstance(reward, bool) else None
+                group = rs.get("group_index")
+                if group is not None and not isinstance(group, int):
+                    raise LabError(f"{where}: the rollout sample's 'group_index' is {group!r:.40}; expected an integer")
                 adv = _vec(s, "advantages", where, n, required=False)
                 seq_adv = None
-                if adv is not None and (mask > 0).any():
-                    seq_adv = float(adv[np.argmax(mask > 0)])
-                sid = int(pos) if pos is not None else (int(idx) if idx is not None else i)
+                if adv is not None and mask.any():
+                    seq_adv = float(adv[np.argmax(mask)])
+                sid = pos if pos is not None else (idx if idx is not None else i)
                 buf.add("", rid, sid,
-                        {"token_id": toks[total - n:], "loss_mask": mask > 0,
+                        {"token_id": toks[total - n:], "loss_mask": mask,
                          "sampler_logp": _vec(s, "rollout_log_probs", where, n),
                          "old_logp": _vec(s, "log_probs", where, n),
                          "advantage": adv, "entropy": _vec(s, "entropy", where, n, required=False),
                          "version": np.full(n, versions[0] if len(set(versions)) == 1 else np.nan)},
-                        {"group_id": (rs or {}).get("group_index"), "reward": reward, "advantage": seq_adv,
+                        {"group_id": group, "reward": reward, "advantage": seq_adv,
                          "version_min": min(versions) if versions else None,
                          "version_max": max(versions) if versions else None, "trainer_version": rid,
                          "origin": where})
