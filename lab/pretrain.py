@@ -15,9 +15,10 @@ the training and the held-out prompts is recorded beside it.
 Cache: ``$LAB_CACHE_DIR``, else ``$XDG_CACHE_HOME/offpolicy-lab``, else ``~/.cache/offpolicy-lab``, in
 ``pretrain/TASK-SIZE-KEY.pt``. KEY hashes everything that changes the result: the task (kind, difficulty, prompt
 counts, seed), the model config, the target, the seed, the device type, the torch version and the source of the
-model, the tasks and this module (editing any of them starts a new checkpoint). A checkpoint is written
-atomically (a temporary file renamed into place) and reused when present; a file that cannot be read, or that
-was written for another key, is an error naming it (delete it to rebuild), never silently replaced.
+model, the tasks, the seeding (``lab.seeding``: the init and the batches) and this module (editing any of them
+starts a new checkpoint). A checkpoint is written atomically (a temporary file renamed into place) and reused when
+present; a file that cannot be read, or that was written for another key, is an error naming it (delete it to
+rebuild), never silently replaced.
 """
 from __future__ import annotations
 
@@ -35,6 +36,8 @@ import torch
 import torch.nn.functional as F
 
 import toy_envs
+from lab import seeding
+from lab.configs import seed_arg
 from lab.errors import LabError
 from lab.runs import cache_dir
 from lab.policies import transformer
@@ -63,9 +66,9 @@ class Checkpoint:
 
 
 def code_version() -> str:
-    """sha256 of the source of the model, the tasks and this module."""
+    """sha256 of the source of the model, the tasks, the seeding and this module."""
     h = hashlib.sha256()
-    for module in (transformer, toy_envs.tasks):
+    for module in (transformer, toy_envs.tasks, seeding):
         h.update(Path(module.__file__).read_bytes())
     h.update(Path(__file__).read_bytes())
     return h.hexdigest()
@@ -214,7 +217,7 @@ def add_parser(subparsers) -> None:
     p.add_argument("--size", default=DEFAULT_SIZE, help=f"model size ({', '.join(SIZES)}; default {DEFAULT_SIZE})")
     p.add_argument("--target-accuracy", type=float, default=DEFAULT_TARGET,
                    help="stop when mean_x pi(answer | x) on the training prompts reaches this (default 0.5)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the init and the training batches")
+    p.add_argument("--seed", type=seed_arg, default=0, help="seed of the init and the training batches")
     p.add_argument("--device", default="cpu", help="cpu | cuda")
     p.add_argument("--max-steps", type=int, default=DEFAULT_MAX_STEPS, help="give up after this many steps")
     p.set_defaults(func=run)

@@ -22,6 +22,9 @@ def one_line(capsys, needle: str) -> None:
     (["report", "--all", "--workers", "0"], "positive whole number"),
     (["sweep", "spec.yaml", "--workers", "-1"], "positive whole number"),
     (["diagnose", ".", "--seed", "-1"], "between 0 and 2^63 - 1"),
+    (["pretrain", "--task", "chain3", "--seed", "-1"], "between 0 and 2^63 - 1"),
+    (["variance", "--env", "large_parity", "--policy", "markov", "--reference", "mc", "--mc-samples",
+      "1000000000000"], "use fewer --mc-samples"),
     (["diagnose", ".", "--seed", "100000000000000000000"], "between 0 and 2^63 - 1"),
 ])
 def test_bad_values_are_one_line_and_exit_2(tmp_path, monkeypatch, capsys, argv, needle):

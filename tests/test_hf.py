@@ -273,6 +273,40 @@ def test_bad_input_is_one_line_lab_error(llama, tmp_path, monkeypatch):
         assert issubclass(e, ValueError)
 
 
+def test_lab_variance_runs_a_local_model(llama, tmp_path, capsys):
+    """`lab variance --policy hf --model PATH --params SUBSET`: the adapter through the same study, exact reference and
+    run folder as the lab's own policies; sequence IS is exactly unbiased on it too; bad input is one line, exit 2."""
+    import json
+
+    import pandas as pd
+
+    from lab.cli import main
+
+    path, _ = llama
+    args = ["variance", "--env", "chain3", "--set", "difficulty=2", "--set", "n_prompts=2", "--policy", "hf",
+            "--model", str(path), "--values", "0,1", "--replicates", "6", "--batch-size", "4", "--group-size", "2",
+            "--n-boot", "20", "--trajectory-steps", "1", "--lr", "0.01", "--estimators", "seq_is,token_is",
+            "--advantage", "reward", "--exact-directions", "true"]
+    out = tmp_path / "run"
+    assert main([*args, "--params", "last:1", "--out", str(out)]) == 0
+    config = json.loads((out / "config.json").read_text())
+    summary = json.loads((out / "summary.json").read_text())
+    assert config["policy"] == "hf" and config["params"] == "last:1"
+    env = toy_envs.make("chain3", difficulty=2, n_prompts=2)
+    assert summary["parameters"] == HFPolicy.for_env(path, env, "last:1").n_params
+    assert {e["estimators"]["seq_is"]["exact_rel_bias"] < 1e-8 for e in summary["per_value"]} == {True}
+    assert summary["per_value"][1]["estimators"]["token_is"]["exact_rel_bias"] > 1e-6
+    assert set(pd.read_parquet(out / "results.parquet").estimator) == {"-", "seq_is", "token_is"}
+    capsys.readouterr()
+    for bad, needle in ((["--params", "nothing_matches"], "subset"),
+                        (["--model", str(tmp_path / "missing")], "no model"),
+                        (["--device", f"cuda:{torch.cuda.device_count() + 4}"], "device")):
+        assert main([*args, *bad, "--out", str(tmp_path / "bad")]) == 2
+        err = capsys.readouterr().err
+        assert needle in err and err.count("\n") == 1
+    assert not (tmp_path / "bad").exists()
+
+
 def test_smollm2_loads_offline_and_shows_a_bf16_mismatch():
     """SmolLM2-135M-Instruct from the wheel: real prompts, a bf16 sampler against the fp32 trainer."""
     try:

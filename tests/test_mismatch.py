@@ -123,6 +123,36 @@ def test_settings_and_bad_input():
         study.run(study.Config(inlab_sizes=[], lm="/nonexistent/model"), progress=False)
 
 
+def test_inlab_models_run_on_the_studys_device(monkeypatch):
+    """The in-lab transformer (its warm start included) runs on cfg.device, as the pretrained LM does."""
+    from lab import pretrain
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    seen = []
+    generate = TransformerPolicy.generate
+
+    def spy(self, theta, *args, **kwargs):
+        seen.append(theta.device.type)
+        return generate(self, theta, *args, **kwargs)
+
+    monkeypatch.setattr(TransformerPolicy, "generate", spy)
+    cfg = study.Config(settings=["bf16+kv"], inlab_sizes=["test"], inlab_init="random", inlab_samples=1, lm="none",
+                       n_boot=20, device=device)
+    _, summary = study.run(cfg, progress=False)
+    assert seen == [device] and summary["models"]["in-lab test"]["device"].startswith(device)
+
+    def warm(env, size, accuracy, **kwargs):
+        seen.append(kwargs["device"])
+        raise LabError("stop")
+
+    monkeypatch.setattr(pretrain, "pretrain", warm)
+    with pytest.raises(LabError, match="stop"):
+        study.run(dataclasses.replace(cfg, inlab_init="warm"), progress=False)
+    assert seen[-1] == device
+    with pytest.raises(LabError, match="device"):
+        study.Config(device=f"cuda:{torch.cuda.device_count() + 4}").validate()
+
+
 def test_smoke_study_and_report(tmp_path):
     """The study end to end on the small in-lab models and a tiny Hugging Face MoE, and the report built from it."""
     path = tmp_path / "lm"

@@ -1,24 +1,32 @@
 """The transformer through the engine: exact where the tabular path is exact, sequence IS unbiased at every lag,
 the same pi_0 for the table, and the real-model study's findings read off its numbers."""
+from functools import lru_cache
+from pathlib import Path
+
 import pytest
 import torch
 
 import toy_envs
+from lab import estimators
 from lab.engine.estimator import Estimator
 from lab.engine.exact import Problem, divergence, exact_support, policy_gradient
 from lab.engine.gradients import expected_gradient
 from lab.engine.staleness import behaviour, optimisation_trajectory
 from lab.errors import LabError
-from lab.policies import make_policy, sequence_log_probs
+from lab.estimators.aggregation import AGG_MODES
+from lab.policies import check_device, make_policy, sequence_log_probs
 from lab.studies import real_model_variance as rmv
 from lab.studies import variance
 
-CORE = ["reinforce", "seq_is", "token_is", "ppo_clip", "tis_token", "vespo", "gspo"]
+# every registered estimator the variance study runs, except those whose loss couples a group (a new one is covered
+# without new test code)
+ESTIMATORS = [n for n in estimators.names() if variance.applicable(n) and "group_size" not in estimators.info(n).inputs]
+TASKS = {"chain3": {"difficulty": 2, "n_prompts": 3}, "sort3": {"difficulty": 2, "n_prompts": 2}}
 
 
-@pytest.fixture(scope="module")
-def world():
-    env = toy_envs.make("chain3", difficulty=2, n_prompts=3)
+@lru_cache(maxsize=None)
+def _world(task):
+    env = toy_envs.make(task, **TASKS[task])
     policy = make_policy("transformer", env, "test")
     problem = Problem(env, policy)
     g = torch.Generator().manual_seed(0)
@@ -28,19 +36,64 @@ def world():
     return problem, traj, grad_j
 
 
-def _expected(problem, traj, kind, value, name, agg="seq-mean-token-sum"):
+@pytest.fixture(scope="module", params=list(TASKS))
+def task_world(request):
+    return _world(request.param)
+
+
+@pytest.fixture(scope="module")
+def world():
+    return _world("chain3")
+
+
+def _mu(problem, traj, kind, value):
     mu = behaviour(problem, kind, value, traj, torch.Generator().manual_seed(1))
-    support = exact_support(problem.env, *mu, 10**6)
+    return mu, exact_support(problem.env, *mu, 10**6)
+
+
+def _expected(problem, traj, kind, value, name, agg="seq-mean-token-sum", behaviour_support=None):
+    mu, support = behaviour_support or _mu(problem, traj, kind, value)
     return expected_gradient(problem.env, problem.policy, traj.current, mu, support, Estimator.resolve(name, {}, agg))
 
 
-def test_every_estimator_is_exact_at_zero_staleness_on_the_transformer(world):
-    problem, traj, grad_j = world
+def _target(problem, grad_j, name, agg="seq-mean-token-sum"):
+    """The on-policy expectation of the estimate: its scale (1 but for GVPO's beta) times c grad J, c from the
+    aggregation (fixed-length responses: 1 or 1/T)."""
+    est = Estimator.resolve(name, {}, agg)
+    return est.grad_scale * est.target_scale(problem.env.length) * grad_j
+
+
+def test_the_registry_is_covered():
+    assert {"reinforce", "seq_is", "token_is", "ppo_clip", "tis_token", "vespo", "gspo"} <= set(ESTIMATORS)
+    assert "gvpo" not in ESTIMATORS and len(ESTIMATORS) >= 12
+
+
+def test_every_estimator_is_exact_at_zero_staleness_in_every_mode_on_the_transformer(task_world):
+    problem, traj, grad_j = task_world
     assert grad_j.norm() > 1e-4
+    zero = _mu(problem, traj, "lag", 0)
+    for agg in AGG_MODES:
+        for name in ESTIMATORS:
+            e = _expected(problem, traj, "lag", 0, name, agg, behaviour_support=zero)
+            assert torch.allclose(e, _target(problem, grad_j, name, agg), atol=1e-10, rtol=1e-8), (agg, name)
+
+
+def test_every_estimator_is_exact_at_zero_staleness_on_the_transformer(task_world):
+    problem, traj, grad_j = task_world
     for kind, zero in [("lag", 0), ("kl", 0.0), ("temperature", 1.0)]:
-        for name in CORE:
-            assert torch.allclose(_expected(problem, traj, kind, zero, name), grad_j, atol=1e-10, rtol=1e-8), \
-                (kind, name)
+        behaviour_support = _mu(problem, traj, kind, zero)
+        for name in ESTIMATORS:
+            assert torch.allclose(_expected(problem, traj, kind, zero, name, behaviour_support=behaviour_support),
+                                  _target(problem, grad_j, name), atol=1e-10, rtol=1e-8), (kind, name)
+
+
+def test_seq_is_stays_unbiased_at_every_lag_in_every_mode(task_world):
+    problem, traj, grad_j = task_world
+    for lag in [1, 3, 6]:
+        stale = _mu(problem, traj, "lag", lag)
+        for agg in AGG_MODES:
+            assert torch.allclose(_expected(problem, traj, "lag", lag, "seq_is", agg, behaviour_support=stale),
+                                  _target(problem, grad_j, "seq_is", agg), atol=1e-10, rtol=1e-8), (lag, agg)
 
 
 def test_seq_is_stays_unbiased_at_every_lag_and_token_is_does_not(world):
@@ -108,3 +161,27 @@ def test_bad_real_model_settings_are_one_line():
     if not torch.cuda.is_available():
         with pytest.raises(LabError, match="no CUDA device"):
             rmv.Config(device="cuda").validate()
+
+
+def test_one_device_check_knows_the_cuda_indices():
+    """A CUDA index that is not there is one line at validation, not a traceback later (lab.policies.resolve_device,
+    which the Hugging Face adapter shares)."""
+    missing = f"cuda:{torch.cuda.device_count() + 4}"
+    for bad in (missing, "tpu", "not-a-device"):
+        with pytest.raises(LabError, match="device") as e:
+            check_device(bad)
+        assert "\n" not in str(e.value)
+        with pytest.raises(LabError, match="device"):
+            variance.Config(policy="transformer", model="test", env="chain3", device=bad).validate()
+    check_device("cpu")
+
+
+def test_the_warm_start_key_covers_the_seeding(monkeypatch):
+    """The warm start's init and batches come from lab.seeding: editing it starts a new checkpoint."""
+    from lab import pretrain, seeding
+
+    before = pretrain.code_version()
+    read = Path.read_bytes
+    monkeypatch.setattr(Path, "read_bytes",
+                        lambda self: read(self) + (b"\n# edited" if self == Path(seeding.__file__) else b""))
+    assert pretrain.code_version() != before

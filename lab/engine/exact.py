@@ -8,12 +8,18 @@ weighted sum over a support, so both modes share code.
 
 - J(theta) = E_x E_{y~pi}[R(x, y)]
 - grad J = E_pi[R grad log pi(y)] = sum_y w_pi(y) R(y) grad log pi(y)   (score form, weights detached)
+
+A Monte Carlo reference is stated with its own error: ``reference_gradient`` returns grad J with the trace of its
+estimate's covariance (batch means), ``divergence_intervals`` the divergences with normal (CLT, delta-method)
+intervals. An exact reference has no error: its intervals are points.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
+from scipy.special import erfinv
 
 import toy_envs
 from lab.errors import LabError
@@ -21,6 +27,7 @@ from lab.policies import Policy, sample, sequence_log_probs, token_log_probs
 
 REFERENCES = ("exact", "mc")
 NETWORK_CHUNK = 2048  # (prompt, response) pairs per forward / backward pass of a network policy
+MC_GROUPS = 32  # batches of a Monte Carlo reference sample behind the standard error of its grad J
 
 
 @dataclass(frozen=True)
@@ -110,6 +117,34 @@ def policy_gradient(env, policy: Policy, theta, support: Support) -> torch.Tenso
     return pullback(policy, theta, support.prompts, support.tokens, coef)
 
 
+def reference_gradient(env, policy: Policy, theta, support: Support, groups: int = MC_GROUPS):
+    """(grad J, tr Cov of that estimate) on ``support``, pi's own distribution.
+
+    Exact support: (``policy_gradient``, 0.0). Monte Carlo support of n samples with x_i = R_i grad log pi(y_i)
+    and grad J ~ mean_i x_i: the samples are split into K contiguous groups (``groups``) of n_k samples, one
+    ``policy_gradient`` pass each giving P_k = (1/n) sum_{i in k} x_i, and (batch means, unbiased for any n_k)
+
+        grad J = sum_k P_k,    tr Cov(grad J) = (sum_k (n / n_k) ||P_k||^2 - ||grad J||^2) / (K - 1),
+
+    i.e. tr Cov(x) / n. The passes cost one pass over the sample; memory is O(D) (two running sums). NaN for
+    fewer than two samples.
+    """
+    if support.exact:
+        return policy_gradient(env, policy, theta, support), 0.0
+    n = support.prompts.shape[0]
+    size = -(-n // max(1, min(groups, n)))  # ceil(n / K)
+    parts = [slice(start, min(start + size, n)) for start in range(0, n, size)]
+    total, weighted = 0, 0.0
+    for part in parts:
+        sub = Support(support.prompts[part], support.tokens[part], support.mask[part], support.weights[part], False)
+        P = policy_gradient(env, policy, theta, sub)
+        total = total + P
+        weighted += n / (part.stop - part.start) * float((P.double() ** 2).sum())
+    if len(parts) < 2:
+        return total, float("nan")
+    return total, max((weighted - float((total.double() ** 2).sum())) / (len(parts) - 1), 0.0)
+
+
 def _log_weights(pi: tuple, mu: tuple, prompts, tokens, mask):
     """Per pair: L = sum_t m_t log(pi/mu)(y_t) and the per-token chi2 sum_a pi_t(a)^2/mu_t(a) - 1 (masked), on CPU."""
     lp_pi = torch.log_softmax(pi[0].logits(pi[1].double(), prompts, tokens), -1)
@@ -121,6 +156,28 @@ def _log_weights(pi: tuple, mu: tuple, prompts, tokens, mask):
     return L.cpu(), chi2_t.cpu()
 
 
+def _pair_terms(pi: tuple, mu: tuple, s: Support):
+    """Per pair of the support: L, the per-token chi2 summed over the response, and the length |y|."""
+    with torch.no_grad():
+        L, chi2_t = map(torch.cat, zip(*[_log_weights(pi, mu, s.prompts[c], s.tokens[c], s.mask[c])
+                                         for c in chunks(pi[0], s.prompts.shape[0])]))
+    return L, chi2_t.sum(-1), s.mask.sum(-1)
+
+
+def _divergences(L, chi2, length, w) -> dict:
+    mean_len = float((w * length).sum())
+    kl_seq = float((w * -L).sum())
+    mean_L = float((w * L).sum())
+    return {
+        "kl_seq": kl_seq,
+        "kl_token": kl_seq / mean_len,
+        "chi2_seq": float((w * torch.exp(2 * L)).sum()) - 1.0,
+        "chi2_token": float((w * chi2).sum()) / mean_len,
+        "logw_var": float((w * L**2).sum()) - mean_L**2,
+        "mean_len": mean_len,
+    }
+
+
 def divergence(pi: tuple, mu: tuple, support_mu: Support) -> dict:
     """Exact (or MC) divergence of the behaviour mu from pi, each a (policy, theta) pair, with ``support_mu`` mu's
     distribution.
@@ -129,20 +186,37 @@ def divergence(pi: tuple, mu: tuple, support_mu: Support) -> dict:
     chi2_seq = E_mu[W^2] - 1; chi2_token = E_mu[sum_t m_t (sum_a pi_t(a)^2/mu_t(a) - 1)] / E_mu[|y|];
     logw_var = Var_mu(L), with L = log pi(y) - log mu(y) and W = exp(L).
     """
-    s = support_mu
-    with torch.no_grad():
-        L, chi2_t = map(torch.cat, zip(*[_log_weights(pi, mu, s.prompts[c], s.tokens[c], s.mask[c])
-                                         for c in chunks(pi[0], s.prompts.shape[0])]))
-        mask, w = s.mask, s.weights
-        mean_len = float((w * mask.sum(-1)).sum())
-        kl_seq = float((w * -L).sum())
-        mean_L = float((w * L).sum())
-        return {
-            "kl_seq": kl_seq,
-            "kl_token": kl_seq / mean_len,
-            "chi2_seq": float((w * torch.exp(2 * L)).sum()) - 1.0,
-            "chi2_token": float((w * chi2_t.sum(-1)).sum()) / mean_len,
-            "logw_var": float((w * L**2).sum()) - mean_L**2,
-            "mean_len": mean_len,
-        }
+    return _divergences(*_pair_terms(pi, mu, support_mu), support_mu.weights)
+
+
+def divergence_intervals(pi: tuple, mu: tuple, support_mu: Support, ci: float = 0.95) -> dict:
+    """{metric: (value, lo, hi)}: ``divergence``'s values (the same numbers) with intervals of coverage ``ci``.
+
+    Exact support: lo = hi = value. Monte Carlo support of n samples from mu: normal intervals value -/+ z sd(psi)
+    / sqrt(n) from each statistic's influence values psi_i (CLT; delta method for ratios and the variance):
+    a mean E[a] has psi = a (kl_seq: a = -L; chi2_seq: a = W^2; mean_len: a = |y|); a ratio r = E[a] / E[|y|]
+    (kl_token, chi2_token) has psi = (a - r |y|) / E[|y|]; logw_var has psi = (L - mean L)^2. W^2 is heavy-tailed
+    when mu is far from pi (PSIS khat > 0.5): chi2_seq's interval is then optimistic.
+    """
+    L, chi2, length = _pair_terms(pi, mu, support_mu)
+    values = _divergences(L, chi2, length, support_mu.weights)
+    if support_mu.exact:
+        return {k: (v, v, v) for k, v in values.items()}
+    L, chi2, length = L.double().numpy(), chi2.double().numpy(), length.double().numpy()
+    mean_len = length.mean()
+    influence = {
+        "kl_seq": -L,
+        "kl_token": (-L - values["kl_token"] * length) / mean_len,
+        "chi2_seq": np.exp(2 * L),
+        "chi2_token": (chi2 - values["chi2_token"] * length) / mean_len,
+        "logw_var": (L - L.mean()) ** 2,
+        "mean_len": length,
+    }
+    z = float(np.sqrt(2.0) * erfinv(ci))
+    n = L.shape[0]
+    out = {}
+    for k, v in values.items():
+        se = float(np.std(influence[k], ddof=1)) / np.sqrt(n) if n > 1 else float("nan")
+        out[k] = (v, v - z * se, v + z * se)
+    return out
 

@@ -7,7 +7,8 @@
     them into the parameter table: the same numbers as differentiating with respect to theta, without
     materialising a dense [D] gradient per replicate more than once;
   * "functional" (networks, and any policy): vmap over replicates of grad of the loss through
-    ``policy.logits(theta, ...)`` with respect to theta itself, in chunks of replicates.
+    ``policy.logits(theta, ...)`` with respect to theta itself, in chunks of replicates. The default chunk comes
+    from a memory budget (``budget_chunk``), so the [chunk, D] block one call yields is bounded whatever M.
 - ``loop_gradients``: the same numbers with ordinary backward passes, one per sample (the tests' reference) or one
   batched pass per replicate (the benchmarks' strongest baseline).
 - ``expected_gradient``: the exact expectation under mu of a per-batch estimate, by enumeration, for estimators
@@ -23,17 +24,32 @@ from lab.engine.estimator import Estimator
 from lab.engine.exact import chunks, pullback
 from lab.policies import token_log_probs
 
+GRADIENT_MEMORY_BUDGET = 2 * 2**30  # bytes of gradient estimates held at once (default chunk, streamed statistics)
+ROW_BYTES = 8  # bytes per coordinate of an estimate as the statistics hold it (float64)
+
+
+def budget_chunk(D: int, budget: int = GRADIENT_MEMORY_BUDGET) -> int:
+    """Replicates per vmap call of the functional backend within ``budget`` bytes:
+
+        chunk = max(1, budget // (8 D))
+
+    (8 bytes per coordinate: float64, the precision in which ``lab.engine.metrics.streamed_metrics`` holds and
+    multiplies the estimates), so the [chunk, D] block of estimates stays within the budget whatever M."""
+    return max(1, int(budget) // (ROW_BYTES * max(int(D), 1)))
+
 
 def replicate_gradients(policy, theta, batch, advantages, est: Estimator, extras=None, static=None, out=None,
-                        chunk: int | None = None):
+                        chunk: int | None = None, budget: int = GRADIENT_MEMORY_BUDGET):
     """Ascent-direction estimates [M, D] and metrics {key: [M]} for every replicate of ``batch`` ([M, B, ...]).
 
     ``extras`` maps extra input names to tensors with the replicate axis first; ``static`` to plain values.
     ``out``, an [M, D] tensor from an earlier call, is zeroed and reused (a fresh M x D block costs more to
-    fault in than the arithmetic). ``chunk``: replicates per vmap call of the functional backend (None: all).
+    fault in than the arithmetic). ``chunk``: replicates per vmap call of the functional backend (None:
+    ``budget_chunk(D, budget)``). The [M, D] result itself is the caller's to afford; ``stream_gradients`` and
+    ``lab.engine.metrics.streamed_metrics`` never build it.
     """
     M = batch.prompts.shape[0]
-    chunks = list(stream_gradients(policy, theta, batch, advantages, est, extras, static, chunk, out))
+    chunks = list(stream_gradients(policy, theta, batch, advantages, est, extras, static, chunk, out, budget))
     if len(chunks) == 1:  # the rows backend's own buffer, or one vmap call
         return chunks[0][1], chunks[0][2]
     out = _buffer(out, M, chunks[0][1].shape[1], theta.dtype)
@@ -43,11 +59,12 @@ def replicate_gradients(policy, theta, batch, advantages, est: Estimator, extras
 
 
 def stream_gradients(policy, theta, batch, advantages, est: Estimator, extras=None, static=None, chunk=None,
-                     out=None):
+                     out=None, budget: int = GRADIENT_MEMORY_BUDGET):
     """Yield (replicate rows, estimates [c, D] on theta's device, metrics) chunk by chunk (see replicate_gradients).
 
-    The rows backend yields all M replicates at once (into ``out`` when given); the functional backend yields
-    ``chunk`` replicates per vmap call, so only [chunk, D] estimates exist at a time.
+    The rows backend yields all M replicates at once (into ``out`` when given; a study bounds M D for it before
+    running); the functional backend yields ``chunk`` replicates per vmap call (None: ``budget_chunk(D,
+    budget)``), so only [chunk, D] estimates exist at a time.
     """
     extras = extras or {}
     est.check_inputs([*extras, *(static or {})])
@@ -56,7 +73,8 @@ def stream_gradients(policy, theta, batch, advantages, est: Estimator, extras=No
         g, metrics = _rows_backend(policy, theta, batch, advantages, loss, extras, out)
         yield slice(0, g.shape[0]), g, metrics
         return
-    yield from _functional_backend(policy, theta, batch, advantages, loss, extras, chunk)
+    yield from _functional_backend(policy, theta, batch, advantages, loss, extras,
+                                   chunk or budget_chunk(theta.numel(), budget))
 
 
 def _buffer(out, M: int, D: int, dtype) -> torch.Tensor:
@@ -79,15 +97,15 @@ def _rows_backend(policy, theta, batch, advantages, loss, extras, out):
     return out, metrics
 
 
-def _functional_backend(policy, theta, batch, advantages, loss, extras, chunk):
-    """vmap over replicates of grad through ``policy.logits`` w.r.t. theta itself, on theta's device."""
+def _functional_backend(policy, theta, batch, advantages, loss, extras, chunk: int):
+    """vmap over replicates of grad through ``policy.logits`` w.r.t. theta itself, on theta's device, ``chunk``
+    replicates per call."""
     def per_batch(th, prompts, tokens, mask, old, adv, ex):
         return loss(policy.logits(th, prompts, tokens), tokens, mask, old, adv, ex)
 
     per_replicate = vmap(grad(per_batch, has_aux=True), in_dims=(None, 0, 0, 0, 0, 0, 0))
     dev, th = theta.device, theta.detach()
     M = batch.prompts.shape[0]
-    chunk = chunk or M
     for s in range(0, M, chunk):
         sl = slice(s, min(s + chunk, M))
         g, m = per_replicate(th, batch.prompts[sl].to(dev), batch.tokens[sl].to(dev), batch.mask[sl].to(dev),

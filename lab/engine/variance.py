@@ -6,7 +6,12 @@ replicates) and compares the M estimates with the target c * grad J of pi (c fro
 estimators whose on-policy gradient is a multiple of grad J, as GVPO's beta, are divided by it first). It returns
 tidy rows: sampled weight diagnostics (estimator "-") and, per estimator, the statistics of
 ``lab.engine.metrics.gram_metrics``, the estimator's own metrics, and with advantage "reward" on an exact reference
-``exact_bias_norm`` = ||E_mu[g] - g*|| by enumeration.
+``exact_bias_norm`` = ||E_mu[g] - g*|| by enumeration. A sampled (Monte Carlo) grad J comes with the trace of its
+covariance, which the statistics remove from ||g*||^2 (``lab.engine.metrics``).
+
+Memory: the estimates are streamed (``lab.engine.gradients.stream_gradients``), ``chunk`` replicates per vmap call
+(default ``budget_chunk(D, memory_budget)``), into ``streamed_metrics``, which holds a few times ``memory_budget``
+bytes of them at most (``lab.engine.metrics.streamed_memory`` counts them) plus the M x M Gram, whatever M and D.
 """
 from __future__ import annotations
 
@@ -19,13 +24,12 @@ from lab import advantages as adv_mod
 from lab import stats
 from lab.engine.batches import draw_batches
 from lab.engine.exact import Problem, Support
-from lab.engine.gradients import expected_gradient, stream_gradients
+from lab.engine.gradients import GRADIENT_MEMORY_BUDGET, budget_chunk, expected_gradient, stream_gradients
 from lab.engine.batches import Batch
 from lab.engine.metrics import streamed_metrics, weight_diagnostics
 from lab.policies import token_log_probs
 
 PROVIDED_INPUTS = ("rewards", "group_size", "logits")  # extra estimator inputs the engine provides
-GRADIENT_MEMORY_BUDGET = 2 * 2**30  # bytes of gradient estimates held at once (lab.engine.metrics.streamed_metrics)
 
 
 @dataclass(frozen=True)
@@ -38,17 +42,24 @@ class Sampling:
     advantage: str  # lab.advantages kind
     ci: float  # interval coverage
     n_boot: int  # bootstrap resamples
-    chunk: int | None = None  # replicates per vmap call of the functional gradient backend (None: all)
+    chunk: int | None = None  # replicates per vmap call of the functional backend (None: from memory_budget)
     memory_budget: int = GRADIENT_MEMORY_BUDGET  # bytes of estimates held at once (beyond: a multi-pass exact Gram)
+
+    def chunk_for(self, D: int) -> int:
+        """Replicates per vmap call: the given chunk, else budget_chunk(D, memory_budget) = budget // (8 D)."""
+        return self.chunk or budget_chunk(D, self.memory_budget)
 
 
 def measure(problem: Problem, theta_pi, mu: tuple, support_mu: Support | None, ests: list, grad_j: torch.Tensor,
-            sampling: Sampling, generator: torch.Generator, rng: np.random.Generator, on_estimator=None):
+            sampling: Sampling, generator: torch.Generator, rng: np.random.Generator, on_estimator=None,
+            grad_j_var: float = 0.0):
     """(rows, per-estimator point values, intervals) for one behaviour mu = (policy, theta).
 
     ``rows`` are dicts (estimator, metric, value, lo, hi); ``grad_j`` is the exact (or reference) grad J of pi,
-    flat; ``on_estimator`` is called after each estimator (progress). The same ``generator`` draws the batches
-    and ``rng`` the bootstrap counts, shared by every estimator.
+    flat, and ``grad_j_var`` the trace of its covariance (0 when exact; a Monte Carlo reference's, from
+    ``lab.engine.exact.reference_gradient``: the target c grad J then has c^2 grad_j_var); ``on_estimator`` is
+    called after each estimator (progress). The same ``generator`` draws the batches and ``rng`` the bootstrap
+    counts, shared by every estimator.
     """
     env, policy = problem.env, problem.policy
     M, B, G = sampling.replicates, sampling.batch_size, sampling.group_size
@@ -73,11 +84,11 @@ def measure(problem: Problem, theta_pi, mu: tuple, support_mu: Support | None, e
     exact_bias = problem.reference == "exact" and sampling.advantage == "reward" and support_mu is not None
     D = int(np.prod(policy.shape))
     for est in ests:
-        scale = est.grad_scale
-        g_star = est.target_scale(env.length) * grad_j
-        stream = _estimates(policy, theta32, batch, adv, est, G, sampling.chunk, scale, buffer)
+        scale, c = est.grad_scale, est.target_scale(env.length)
+        g_star = c * grad_j
+        stream = _estimates(policy, theta32, batch, adv, est, G, sampling.chunk_for(D), scale, buffer)
         res, metrics, buffer = streamed_metrics(stream, M, D, g_star, sampling.memory_budget, counts, sampling.ci,
-                                                buffer)
+                                                buffer, target_var=c**2 * grad_j_var)
         if exact_bias and not est.info.inputs:
             expected = expected_gradient(env, policy, theta_pi, mu, support_mu, est)
             if expected is not None:
@@ -93,8 +104,9 @@ def measure(problem: Problem, theta_pi, mu: tuple, support_mu: Support | None, e
     return rows, points, intervals
 
 
-def _estimates(policy, theta, batch: Batch, adv, est, G: int, chunk, scale: float, buffer):
-    """stream(start): the estimates (divided by the estimator's on-policy scale) of replicates start..M-1."""
+def _estimates(policy, theta, batch: Batch, adv, est, G: int, chunk: int, scale: float, buffer):
+    """stream(start): the estimates (divided by the estimator's on-policy scale) of replicates start..M-1, ``chunk``
+    replicates at a time (functional backend)."""
     def stream(start: int):
         sub = Batch(batch.prompts[start:], batch.tokens[start:], batch.mask[start:],
                     batch.behaviour_log_probs[start:], batch.rewards[start:], batch.group_size)

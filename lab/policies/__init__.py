@@ -2,7 +2,7 @@
 log-probs of given tokens and autoregressive sampling with recorded log-probs.
 
 Kinds: ``prefix`` and ``markov`` (tabular softmax, ``lab.policies.tabular``), ``transformer`` (the lab's own
-decoder-only transformer, ``lab.policies.transformer``; sizes from "test" to "1m"), and through
+decoder-only transformer, ``lab.policies.transformer``; sizes from "test" to "1m"), and ``hf``: through
 ``lab.policies.hf`` any local causal LM (a ``save_pretrained`` folder or a GGUF file).
 """
 from __future__ import annotations
@@ -14,33 +14,56 @@ from lab.policies.protocol import Perturbed, Policy, Tempered
 from lab.policies.tabular import POLICIES, MarkovPolicy, PrefixTreePolicy
 
 __all__ = ["POLICIES", "MarkovPolicy", "Perturbed", "Policy", "PrefixTreePolicy", "Tempered", "make_policy",
-           "check_device", "init_params", "log_probs_of", "token_log_probs", "sequence_log_probs", "sample"]
+           "check_device", "resolve_device", "init_params", "log_probs_of", "token_log_probs", "sequence_log_probs",
+           "sample"]
 
 
-KINDS = (*POLICIES, "transformer")
+KINDS = (*POLICIES, "transformer", "hf")
 
 
-def make_policy(kind: str, env, size: str = "small", initial=None) -> Policy:
-    """The policy ``kind`` sized for ``env``; a transformer of ``size`` (with ``initial`` parameters, if given)."""
+def make_policy(kind: str, env, size: str = "small", initial=None, trainable: str = "last:1",
+                device="cpu") -> Policy:
+    """The policy ``kind`` sized for ``env``: a transformer of ``size`` (with ``initial`` parameters, if given); for
+    ``hf``, the local causal LM at path ``size`` (a save_pretrained folder or a .gguf file) over the env's prompts
+    and response vocabulary, theta its ``trainable`` subset, run on ``device`` (``lab.policies.hf``)."""
     if kind == "transformer":
         from lab.policies.transformer import TransformerPolicy
 
         return TransformerPolicy.for_env(env, size, initial)
+    if kind == "hf":
+        from lab.policies.hf import HFPolicy
+
+        return HFPolicy.for_env(size, env, trainable, device)
     if kind not in POLICIES:
         raise LabError(f"unknown policy {kind!r}; choose one of {', '.join(KINDS)}")
     return POLICIES[kind](env.n_prompts, env.vocab_size, env.length)
 
 
-def check_device(device: str) -> None:
-    """Refuse a device that is not there, with one line saying what is."""
+def resolve_device(device) -> torch.device:
+    """A torch device that exists here (cpu, an existing CUDA index, mps where available), or a one-line LabError
+    saying what is there."""
     try:
         dev = torch.device(device)
-    except (RuntimeError, TypeError):
-        raise LabError(f"unknown device {device!r}; use cpu or cuda") from None
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise LabError(f"device {device!r} was asked for but no CUDA device is available here; use --device cpu")
-    if dev.type not in ("cpu", "cuda"):
+    except (RuntimeError, TypeError) as e:
+        raise LabError(f"unknown device {device!r} ({str(e).splitlines()[0] if str(e) else type(e).__name__}); "
+                       f"use cpu or cuda") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise LabError(f"device {device!r} was asked for but no CUDA device is available here; use --device cpu")
+        n = torch.cuda.device_count()
+        if dev.index is not None and dev.index >= n:
+            raise LabError(f"device {device!r} is not available here: {n} CUDA device(s), cuda:0 to cuda:{n - 1}")
+    elif dev.type == "mps":
+        if not torch.backends.mps.is_available():
+            raise LabError(f"device {device!r} is not available here; use --device cpu")
+    elif dev.type != "cpu":
         raise LabError(f"device {device!r} is not supported; use cpu or cuda")
+    return dev
+
+
+def check_device(device) -> None:
+    """Refuse a device that is not there, with one line saying what is (``resolve_device``)."""
+    resolve_device(device)
 
 
 def init_params(policy: Policy, scale: float, generator: torch.Generator, dtype=torch.float64) -> torch.Tensor:

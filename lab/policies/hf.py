@@ -51,6 +51,7 @@ import torch
 from torch.func import functional_call
 
 from lab.errors import LabError
+from lab.policies import resolve_device  # the one device check, shared with every other policy
 
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 NOISE_BYTES = 2**24  # budget of the per-state noise table [H, V] in float64 (H = NOISE_BYTES / 8V rows, >= 256)
@@ -77,25 +78,6 @@ class _Loaded:
     model: object  # a transformers causal LM in eval mode, float32, on its device
     tokenizer: object | None
     source: str
-
-
-def resolve_device(device) -> torch.device:
-    """A torch device that exists here, or a one-line LabError."""
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, TypeError) as e:
-        raise LabError(f"unknown device {device!r} ({e}); use cpu or cuda") from None
-    if dev.type == "cuda":
-        if not torch.cuda.is_available():
-            raise LabError(f"device {device!r} is not available here (no CUDA device); use --device cpu")
-        if dev.index is not None and dev.index >= torch.cuda.device_count():
-            raise LabError(f"device {device!r} is not available here ({torch.cuda.device_count()} CUDA device(s))")
-    elif dev.type == "mps":
-        if not torch.backends.mps.is_available():
-            raise LabError(f"device {device!r} is not available here; use --device cpu")
-    elif dev.type != "cpu":
-        raise LabError(f"device {device!r} is not supported; use cpu or cuda")
-    return dev
 
 
 def _locate(path) -> tuple[Path, str | None]:

@@ -27,6 +27,7 @@ import torch
 import toy_envs
 from lab import mismatch
 from lab.errors import LabError
+from lab.policies import check_device
 from lab.progress import bar
 from lab.seeding import generator
 from lab.studies import StudyResult
@@ -82,7 +83,8 @@ class Config:
     """torch threads while the study runs (decoding steps are small matrix products that gain little from more
     threads and stall when the cores are shared); 0: leave torch's setting"""
     device: str = "cpu"
-    """device of the pretrained LM: cpu or cuda"""
+    """device of every model, the in-lab transformers (their warm start included) and the pretrained LM: cpu or
+    cuda"""
     n_boot: int = 1000
     """bootstrap resamples over sequences"""
     ci: float = 0.95
@@ -91,6 +93,7 @@ class Config:
     """seed of every random stream of the study"""
 
     def validate(self) -> None:
+        check_device(self.device)
         for s in [*self.settings, *self.lm_settings]:
             mismatch.parse_setting(s)
         if any("head32" in s for s in self.settings):
@@ -137,11 +140,13 @@ def _inlab(cfg: Config, size: str, ticks):
             "length": env.length, "prompt_length": policy.prompt_length}
     start = time.perf_counter()
     if cfg.inlab_init == "warm":
-        ck = pretrain.pretrain(env, size, cfg.inlab_accuracy, seed=cfg.seed, progress=False)
+        ck = pretrain.pretrain(env, size, cfg.inlab_accuracy, seed=cfg.seed, device=cfg.device, progress=False)
         theta = ck.theta.float()
         info.update(accuracy=ck.accuracy, greedy_accuracy=ck.greedy_accuracy, warm_start_cached=not ck.trained)
     else:
         theta = policy.init_params(1.0, generator(cfg.seed, 0), torch.float32)
+    theta = theta.to(cfg.device)  # the model runs where theta lives (lab.policies.transformer)
+    info["device"] = str(theta.device)
     prompts = torch.arange(env.n_prompts).repeat(cfg.inlab_samples)
     name = f"in-lab {size}"
     rows, summaries, draws = mismatch.measure(policy, theta, prompts, cfg.settings, lambda i: generator(cfg.seed, 1),

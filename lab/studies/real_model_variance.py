@@ -76,7 +76,7 @@ class Config:
     device: str = "cpu"
     """where the transformer's passes run: cpu | cuda"""
     chunk: int = 0
-    """replicates per vmap call of the transformer's gradients (0: all)"""
+    """replicates per vmap call of the transformer's gradients (0: as many as the gradient memory budget holds)"""
 
     def task(self) -> str:
         env = toy_envs.make(self.env)

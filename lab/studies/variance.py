@@ -4,6 +4,11 @@ pi is the end of an Adam trajectory on the exact objective; each staleness setti
 measures its exact divergence from pi, and runs the variance engine (``lab.engine.variance.measure``) on the same
 replicate batches for every estimator. Results: tidy rows keyed by (env, policy, staleness_kind, staleness, seed,
 reference, estimator, metric); divergence rows have estimator "-".
+
+The reference is stated: "exact" (enumeration; every divergence and grad J exact, intervals are points) or "mc"
+(``mc_samples`` on-policy samples): the divergences then carry CLT intervals, grad J its standard error
+(``target_grad_se`` = sqrt(tr Cov), a row per setting and in the summary), and the statistics against it remove
+that error from ||g*||^2 (``lab.engine.metrics``).
 """
 from __future__ import annotations
 
@@ -19,10 +24,11 @@ from lab import advantages as adv_mod
 from lab import estimators
 from lab.configs import check_types, check_unique
 from lab.engine.estimator import Estimator
-from lab.engine.exact import REFERENCES, Problem, divergence, policy_gradient
-from lab.engine.gradients import exact_direction
+from lab.engine.exact import REFERENCES, Problem, divergence_intervals, reference_gradient
+from lab.engine.gradients import budget_chunk, exact_direction
+from lab.engine.metrics import streamed_memory
 from lab.engine.staleness import KINDS, behaviour, check_value, optimisation_trajectory
-from lab.engine.variance import GRADIENT_MEMORY_BUDGET, PROVIDED_INPUTS, Sampling, measure
+from lab.engine.variance import PROVIDED_INPUTS, Sampling, measure
 from lab.errors import LabError
 from lab.policies import check_device, init_params, make_policy
 from lab.progress import bar
@@ -42,9 +48,13 @@ class Config:
     env_overrides: dict = field(default_factory=dict, metadata={"flag": "--set", "parse": "pairs"})
     """env fields to change, e.g. length=6"""
     policy: str = "prefix"
-    """prefix (any sequence distribution) | markov | transformer"""
+    """prefix (any sequence distribution) | markov | transformer | hf (a local causal LM at --model)"""
     model: str = "small"
-    """transformer size (policy transformer): test | small | medium | moe | 1m"""
+    """transformer size (policy transformer): test | small | medium | moe | 1m; policy hf: the model's path (a
+    save_pretrained folder or a .gguf file) whose vocabulary holds the env's token ids"""
+    params: str = "last:1"
+    """trainable subset of an hf policy (theta): last:k (the last k blocks), lm_head, lora:r=R, or a regex over
+    parameter names (lab.policies.hf)"""
     warm_start: float = 0.0
     """start from the supervised warm start of a transformer of size ``model`` at this exact-match accuracy (0: the
     policy's random init); a prefix policy copies that transformer's distribution"""
@@ -90,15 +100,22 @@ class Config:
     device: str = "cpu"
     """where the policy's forward and backward passes run: cpu | cuda (network policies)"""
     chunk: int = 0
-    """replicates per vmap call of a network policy's gradients (0: all at once); bounds memory"""
+    """replicates per vmap call of a network policy's gradients (0: from the memory budget, budget / (8 D))"""
+    memory_budget: float = 2.0
+    """GiB of gradient estimates held at once (the default chunk and the streamed Gram's block follow from it, so
+    memory stays bounded whatever the replicates and parameters)"""
 
     def make_env(self):
         return toy_envs.make(self.env, **self.env_overrides)
 
     def problem(self) -> Problem:
         env = self.make_env()
-        return Problem(env, make_policy(self.policy, env, self.model), self.reference, self.enum_limit,
-                       self.mc_samples)
+        return Problem(env, make_policy(self.policy, env, self.model, trainable=self.params, device=self.device),
+                       self.reference, self.enum_limit, self.mc_samples)
+
+    def sampling(self) -> Sampling:
+        return Sampling(self.replicates, self.batch_size, self.group_size, self.advantage, self.ci, self.n_boot,
+                        chunk=self.chunk or None, memory_budget=int(self.memory_budget * 2**30))
 
     def initial(self, problem: Problem, generator: torch.Generator) -> torch.Tensor:
         """pi's starting point: the policy's initial parameters, or the supervised warm start of a transformer of
@@ -131,7 +148,10 @@ class Config:
             raise LabError(f"trajectory steps must be a non-negative whole number, got {self.trajectory_steps}")
         check_unique("values", [float(v) for v in self.values])
         if self.chunk < 0:
-            raise LabError(f"chunk must be a non-negative number of replicates (0: all), got {self.chunk}")
+            raise LabError(f"chunk must be a non-negative number of replicates (0: from the memory budget), got "
+                           f"{self.chunk}")
+        if not (math.isfinite(self.memory_budget) and self.memory_budget > 0):
+            raise LabError(f"memory budget must be a positive number of GiB, got {self.memory_budget}")
         for v in self.values:
             check_value(self.staleness, float(v), self.trajectory_steps)
         self._validate_estimators()
@@ -162,11 +182,20 @@ class Config:
         self._validate_memory(problem)
 
     def _validate_memory(self, problem: Problem) -> None:
-        """Refuse, before any work, a study whose batches, bootstrap or gradient table would not fit in memory."""
+        """Refuse, before any work, a study whose batches, bootstrap, gradient estimates or Gram matrix would not fit
+        (``lab.engine.metrics.streamed_memory`` counts them): the tabular backend holds all M x D estimates
+        (float32, 4 M D bytes) at once; a network's are streamed, one chunk of c replicates at a time (8 c D bytes
+        as float64); both build the M x M Gram (8 M^2). Each must fit the memory budget."""
         env, policy = problem.env, problem.policy
         batch = self.replicates * self.batch_size * env.length * (8 + 3 * 4)  # tokens, mask, log-probs, advantages
         if policy.gradient_backend == "rows":
             batch += self.replicates * self.batch_size * env.length * env.vocab_size * 4 * 2  # gathered logits, grads
+        if self.reference == "mc":  # the reference sample, drawn with every position's logits at once
+            ref = self.mc_samples * env.length * (env.vocab_size + 4) * 8
+            if ref > BATCH_MEMORY_BUDGET:
+                raise LabError(f"a Monte Carlo reference of {self.mc_samples:,} samples needs about "
+                               f"{ref / 2**30:.1f} GiB (budget {BATCH_MEMORY_BUDGET / 2**30:.0f} GiB); use fewer "
+                               f"--mc-samples")
         if batch > BATCH_MEMORY_BUDGET:
             raise LabError(f"{self.replicates} replicates x {self.batch_size} responses need about "
                            f"{batch / 2**30:.1f} GiB (budget {BATCH_MEMORY_BUDGET / 2**30:.0f} GiB); use fewer "
@@ -175,11 +204,23 @@ class Config:
             raise LabError(f"n_boot {self.n_boot} x {self.replicates} replicates needs "
                            f"{self.n_boot * self.replicates * 16 / 2**30:.1f} GiB of bootstrap counts; use fewer "
                            f"resamples (1000 is plenty for 95% intervals)")
-        D = int(np.prod(policy.shape))
-        if policy.gradient_backend == "rows" and self.replicates * D * 4 > GRADIENT_MEMORY_BUDGET:
-            raise LabError(f"{self.replicates} replicates x {D:,} parameters need {self.replicates * D * 4 / 2**30:.1f} "
-                           f"GiB of gradient estimates (budget {GRADIENT_MEMORY_BUDGET / 2**30:.0f} GiB); use fewer "
-                           f"replicates or the markov policy")
+        M, D, budget = self.replicates, int(np.prod(policy.shape)), self.sampling().memory_budget
+        gib = f"{budget / 2**30:.3g} GiB"
+        rows = policy.gradient_backend == "rows"
+        if rows and M * D * 4 > budget:
+            raise LabError(f"{M} replicates x {D:,} parameters need {M * D * 4 / 2**30:.1f} GiB of gradient "
+                           f"estimates (budget {gib}); use fewer replicates or the markov policy")
+        chunk = M if rows else self.sampling().chunk_for(D)
+        need = streamed_memory(M, D, chunk, budget)
+        total = f"{sum(need.values()) / 2**30:.3g} GiB in all"
+        if not rows and need["chunk"] > budget:
+            hint = (f"use --chunk {budget_chunk(D, budget)} or less (0: from the budget)" if 8 * D <= budget
+                    else "raise --memory-budget")
+            raise LabError(f"a chunk of {min(chunk, M)} replicates x {D:,} parameters needs "
+                           f"{need['chunk'] / 2**30:.3g} GiB of gradient estimates (budget {gib}, {total}); {hint}")
+        if need["gram"] > budget:
+            raise LabError(f"{M} replicates need a {M} x {M} Gram matrix of {need['gram'] / 2**30:.3g} GiB (budget "
+                           f"{gib}, {total}); use fewer replicates or raise --memory-budget")
 
     def _validate_estimators(self) -> None:
         if not self.estimators:
@@ -209,9 +250,11 @@ def applicable(name: str) -> bool:
 
 
 def best_by_mse(per_estimator: dict) -> str | None:
-    """The lowest-MSE estimator, or None when none beats a zero update (relative MSE >= 1)."""
-    best = min(per_estimator, key=lambda n: per_estimator[n]["rel_mse"])
-    return best if per_estimator[best]["rel_mse"] < 1 else None
+    """The lowest-MSE estimator, or None when none beats a zero update (relative MSE >= 1, or undefined: a Monte
+    Carlo reference that does not resolve grad J)."""
+    rel = {n: v["rel_mse"] if math.isfinite(v["rel_mse"]) else math.inf for n, v in per_estimator.items()}
+    best = min(rel, key=rel.get)
+    return best if rel[best] < 1 else None
 
 
 def run(cfg: Config, progress: bool | None = None) -> StudyResult:
@@ -224,13 +267,14 @@ def run(cfg: Config, progress: bool | None = None) -> StudyResult:
     traj = optimisation_trajectory(problem, theta0, cfg.trajectory_steps, cfg.lr, torch_gen)
     theta_pi = traj.current
     support_pi = problem.support(theta_pi, generator(cfg.seed, 1))
-    grad_j = policy_gradient(env, problem.policy, theta_pi, support_pi).reshape(-1)
+    grad_j, grad_j_var = reference_gradient(env, problem.policy, theta_pi, support_pi)
+    grad_j = grad_j.reshape(-1)
     if not (torch.isfinite(grad_j).all() and grad_j.norm() > 0):
         raise LabError(f"the target gradient of pi is {'zero' if torch.isfinite(grad_j).all() else 'not finite'} "
                        f"(pi is deterministic or degenerate after the trajectory), so errors relative to it are "
                        f"undefined; lower --init-scale or --lr")
-    sampling = Sampling(cfg.replicates, cfg.batch_size, cfg.group_size, cfg.advantage, cfg.ci, cfg.n_boot,
-                        chunk=cfg.chunk or None)
+    sampling = cfg.sampling()
+    grad_j_se = math.sqrt(grad_j_var) if grad_j_var == grad_j_var else float("nan")
     key = dict(env=env.name, policy=cfg.policy, staleness_kind=cfg.staleness, seed=cfg.seed, reference=cfg.reference)
     rows, per_value = [], []
     bars = bar(len(cfg.values) * len(ests), "variance", progress)
@@ -238,13 +282,17 @@ def run(cfg: Config, progress: bool | None = None) -> StudyResult:
         gen = generator(cfg.seed, 2, i)
         mu = behaviour(problem, cfg.staleness, float(value), traj, gen)
         support_mu = problem.support(mu[1], gen, policy=mu[0])
-        div = divergence((problem.policy, theta_pi), mu, support_mu)
+        div_ci = divergence_intervals((problem.policy, theta_pi), mu, support_mu, cfg.ci)
+        div = {m: v for m, (v, _, _) in div_ci.items()}
         setting = {**key, "staleness": float(value)}
-        rows += [{**setting, "estimator": "-", "metric": m, "value": float(v), "lo": float(v), "hi": float(v)}
-                 for m, v in div.items()]
+        rows += [{**setting, "estimator": "-", "metric": m, "value": float(v), "lo": float(lo), "hi": float(hi)}
+                 for m, (v, lo, hi) in div_ci.items()]
+        if cfg.reference == "mc":
+            rows.append({**setting, "estimator": "-", "metric": "target_grad_se", "value": grad_j_se,
+                         "lo": grad_j_se, "hi": grad_j_se})
         measured, points, intervals = measure(problem, theta_pi, mu, support_mu, ests, grad_j, sampling, gen,
                                               np.random.default_rng(derive_seed(cfg.seed, 3, i)),
-                                              on_estimator=lambda: bars.update(1))
+                                              on_estimator=lambda: bars.update(1), grad_j_var=grad_j_var)
         rows += [{**setting, **r} for r in measured]
         if cfg.exact_directions and problem.reference == "exact":
             for est in ests:
@@ -254,7 +302,8 @@ def run(cfg: Config, progress: bool | None = None) -> StudyResult:
                     points[est.name][m] = v
         diag = {r["metric"]: [r["value"], r["lo"], r["hi"]] for r in measured if r["estimator"] == "-"}
         per_value.append({"staleness": float(value), **div, "ess_frac": diag["ess_frac"], "khat": diag["khat"],
-                          "estimators": points, "intervals": intervals})
+                          "estimators": points, "intervals": intervals,
+                          "divergence_intervals": {m: [lo, hi] for m, (_, lo, hi) in div_ci.items()}})
     bars.close()
     summary = {
         "study": "variance",
@@ -264,7 +313,9 @@ def run(cfg: Config, progress: bool | None = None) -> StudyResult:
         "response_length": env.length,
         "staleness": cfg.staleness,
         "reference": cfg.reference,
+        "reference_pairs": int(support_pi.prompts.shape[0]),
         "target_grad_norm": float(grad_j.norm()),
+        "target_grad_se": grad_j_se,
         "loss_agg_modes": {e.name: e.loss_agg_mode for e in ests},
         "objective": float((support_pi.weights * env.expected_reward(support_pi.prompts, support_pi.tokens,
                                                                         support_pi.mask)).sum()),
