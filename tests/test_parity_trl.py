@@ -1,7 +1,8 @@
 """Parity with TRL's GRPOTrainer loss (TRL 1.16, trl/trainer/grpo_trainer.py, _compute_loss and get_gamma_weights).
 
-TRL's loss is a method of a trainer that needs a model, so it is restated here from its definition, term by term,
-and the lab's estimators are compared with it on a batch with ragged lengths, an empty row and both advantage
+TRL's loss is a method of a trainer that needs a model; it is restated here from its definition, term by term (so
+these checks run without TRL), and tests/test_parity_trl_code.py runs TRL's own code on the same tensors. The lab's
+estimators are compared with it on a batch with ragged lengths, an empty row and both advantage
 signs, to 1e-6 in loss and gradient:
 
     log_ratio = logp - old; coef = exp(log_ratio) per token, or exp(masked mean of log_ratio) per sequence
