@@ -135,13 +135,14 @@ def cmd_report(args) -> int:
         check_writable(Path(args.out) / "index.html")  # before any report runs
         n, done, t0, lock = len(reports.names()), [0], time.perf_counter(), threading.Lock()
 
-        def say(kind, name, seconds):
+        def say(kind, name, seconds, error=None):
             with lock:  # reports build in parallel threads: one whole line at a time
                 if kind == "start":
                     print(f"building {name} ...", flush=True)
                 else:
                     done[0] += 1
-                    print(f"[{done[0]}/{n}] {name}: {seconds:.0f} s", flush=True)
+                    status = f"failed ({error})" if kind == "failed" else f"{seconds:.0f} s"
+                    print(f"[{done[0]}/{n}] {name}: {status}", flush=True)
 
         paths = reports.run_all(out_root=Path(args.out), workers=args.workers, on_event=say)
         print(f"wrote {len(paths) - 1} reports and the gallery {paths[-1]} in {time.perf_counter() - t0:.0f} s",
@@ -151,7 +152,7 @@ def cmd_report(args) -> int:
         raise LabError(f"name a report ({', '.join(reports.names())}) or pass --all")
     if args.params:
         for p in reports.parameters(args.name).values():
-            print(f"{p.name:<22}{p.kind:<16}{p.default!r:<40} {p.help}")
+            print(f"{p.name:<22}{p.kind:<18}{p.default!r:<40} {p.help}")
         return 0
     given = {**(report_params.from_file(args.file) if args.file else {}), **pairs(args.param, "-p")}
     path = reports.run_report(args.name, given, out_root=Path(args.out))

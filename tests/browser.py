@@ -146,3 +146,28 @@ class Browser:
             self.proc.wait(timeout=15)
         os.close(self.rd)
         os.close(self.wr)
+
+
+# Elements wider than their box: they scroll sideways (overflow-x auto/scroll), spill out (visible) or are clipped
+# (hidden/clip); and table cells cut short with "..." (pandas' max_colwidth, or rows/columns left out).
+LAYOUT_PROBLEMS = """(() => {
+  const name = (e) => e.tagName.toLowerCase() + (e.id ? "#" + e.id : "") +
+    (typeof e.className === "string" && e.className.trim() ? "." + e.className.trim().split(/\\s+/).join(".") : "");
+  const out = [];
+  for (const e of document.querySelectorAll("body *")) {
+    if (e.clientWidth > 0 && e.scrollWidth > e.clientWidth + 1) {
+      out.push(`${name(e)} is ${e.scrollWidth} px wide in a ${e.clientWidth} px box ` +
+               `(overflow-x ${getComputedStyle(e).overflowX}): ${e.innerText.trim().slice(0, 60)}`);
+    }
+  }
+  for (const c of document.querySelectorAll("td, th")) {
+    const text = c.textContent.trim();
+    if (text.endsWith("...") || text.endsWith("\\u2026")) out.push(`table cell cut short: ${text.slice(-60)}`);
+  }
+  return out;
+})()"""
+
+
+def layout_problems(browser: Browser) -> list[str]:
+    """What on the open page scrolls sideways, is clipped, or is cut short with an ellipsis."""
+    return browser.js(LAYOUT_PROBLEMS)

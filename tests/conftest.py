@@ -19,6 +19,16 @@ def tiny():
     return env, policy, theta
 
 
+@pytest.fixture(scope="session", autouse=True)
+def failed_reports(tmp_path_factory):
+    """Partially executed notebooks of failing reports go to a temporary folder, not the user's cache; the model
+    warm-start cache ($LAB_CACHE_DIR or the user's) stays shared, so the tests reuse the models trained before."""
+    folder = tmp_path_factory.mktemp("failed-reports")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("LAB_FAILED_REPORTS", str(folder))
+        yield folder
+
+
 @pytest.fixture(scope="session")
 def gallery(tmp_path_factory):
     """Every report built once with its smoke parameters (two kernels at a time) plus the gallery index: the report

@@ -2,6 +2,7 @@
 headless Chromium rendering of the page."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -85,7 +86,21 @@ def test_unknown_parameter_names_the_valid_ones(tmp_path, key):
     assert not any(tmp_path.iterdir())
 
 
-def test_failed_execution_leaves_nothing(tmp_path):
+@pytest.fixture
+def unchecked(monkeypatch):
+    """The report without its study-config check, so that bad input fails inside the notebook."""
+    monkeypatch.setitem(reports.REPORTS, NAME, dataclasses.replace(reports.REPORTS[NAME], config=None))
+
+
+def test_bad_input_is_refused_before_papermill(tmp_path):
+    out = tmp_path / "new" / "reports"
+    with pytest.raises(LabError, match=rf"^report '{NAME}': unknown env 'nope'") as err:
+        reports.run_report(NAME, {**SMALL, "env": "nope"}, out)
+    assert "\n" not in str(err.value)
+    assert not list(tmp_path.iterdir())
+
+
+def test_failed_execution_leaves_nothing(tmp_path, unchecked):
     out = tmp_path / "new" / "reports"
     with pytest.raises(LabError, match=r"failed in cell \d+: LabError: .*nope") as err:
         reports.run_report(NAME, {**SMALL, "env": "nope"}, out)
@@ -93,7 +108,7 @@ def test_failed_execution_leaves_nothing(tmp_path):
     assert not list(tmp_path.iterdir())
 
 
-def test_failed_rebuild_keeps_the_previous_report(tmp_path, built):
+def test_failed_rebuild_keeps_the_previous_report(tmp_path, built, unchecked):
     shutil.copytree(built, tmp_path / NAME)
     before = {p.name: p.stat().st_mtime_ns for p in (tmp_path / NAME).iterdir()}
     with pytest.raises(LabError, match="failed in cell"):
@@ -181,8 +196,9 @@ def test_html_renders_in_headless_chromium(built, tmp_path):
 
 
 def test_gallery_pages_have_no_broken_images_links_script_errors_or_overflow(gallery, tmp_path):
-    """The gallery and every report page in a real headless Chromium."""
-    from browser import Browser, _chromium
+    """The gallery and every report page in a real headless Chromium: nothing scrolls sideways, spills out of its box
+    or is cut short with "..." (see browser.layout_problems)."""
+    from browser import Browser, _chromium, layout_problems
 
     browser = Browser(_chromium(), tmp_path / "profile")
     try:
@@ -194,6 +210,7 @@ def test_gallery_pages_have_no_broken_images_links_script_errors_or_overflow(gal
             links = browser.js("[...document.links].map(a => a.getAttribute('href'))")
             assert broken == 0, (page, broken)
             assert overflow <= 0, (page, overflow)
+            assert layout_problems(browser) == [], page
             assert browser.errors() == [], (page, browser.errors())
             missing = [h for h in links if not h.startswith(("http", "#", "data:"))
                        and not (page.parent / h).resolve().exists()]

@@ -355,6 +355,53 @@ def test_live_controls_redraw_quickly(builder, changes):
     assert "application/vnd.jupyter.widget-view+json" in bundle and "make lab" in bundle["text/plain"]
 
 
+def test_live_controls_carry_a_static_snapshot():
+    from lab.teach import live
+
+    ui = live.vopd_ui()
+    bundle = ui._repr_mimebundle_()
+    assert base64.b64decode(bundle["image/png"])[:4] == b"\x89PNG"
+    assert 'href="vopd_baseline.html"' in bundle["text/html"] and "make lab" in bundle["text/html"]
+    assert ui.numbers.value.split(":")[0].replace(">", "&gt;") in bundle["text/html"]
+
+
+# ---- colours ------------------------------------------------------------------------------------------------------
+
+def test_estimator_series_take_the_labs_colours():
+    """An estimator has one colour everywhere: the notebooks' figures, the live controls and the static pages use
+    lab.reports.style.color, whatever the position of the estimator in a figure."""
+    from matplotlib.colors import to_hex
+
+    from lab.reports.style import ESTIMATOR_COLORS, color
+    from lab.teach import live, pages, plots
+
+    methods = clip_mask.METHODS
+    fig = plots.coefficient_curves(methods, clip_mask.coefficient, clip_mask.LABELS)
+    assert [to_hex(line.get_color()) for line in fig.axes[0].lines] == [color(m) for m in methods]
+    fig = plots.coefficient_curves(methods[::-1], clip_mask.coefficient, clip_mask.LABELS)
+    assert [to_hex(line.get_color()) for line in fig.axes[0].lines] == [color(m) for m in methods[::-1]]
+    fig = plots.losses_against_kl(clip_mask.compare(16, [0.1, 0.5], 0), clip_mask.LABELS)
+    assert [to_hex(line.get_color()) for line in fig.axes[0].lines] == [color(m) for m in methods]
+    ui = live.vopd_ui()
+    marks = {line.get_label(): to_hex(line.get_color()) for line in ui.figure.axes[0].lines[1:]}
+    assert marks["OPD"] == color("opd") and marks["vOPD"] == color("vopd")
+    page = next(p for p in pages.pages() if p.slug == "clip_mask")
+    layout, _ = page.build(page)
+    assert layout.select_one({"name": "curves"}).data["color"] == [color(m) for m in methods]
+    assert len(set(ESTIMATOR_COLORS.values())) == len(ESTIMATOR_COLORS)
+    assert color("vopd_topk") == color("vopd_top8") != color("vopd")
+    assert color("kl_topk") == color("kl_top4") != color("kl_full")
+
+
+def test_token_panels_keep_their_legends_off_the_data():
+    from lab.teach import plots
+
+    fig = plots.token_panels(clip_mask.token_table(16, 0.3, 0), clip_mask.METHODS, clip_mask.LABELS)
+    fig.draw_without_rendering()
+    for ax in fig.axes[:len(clip_mask.METHODS)]:
+        assert ax.get_legend().get_window_extent().y1 <= ax.get_window_extent().y0
+
+
 # ---- dependencies -------------------------------------------------------------------------------------------------
 
 def test_teaching_dependencies_are_declared():

@@ -1,5 +1,6 @@
 """The teaching notebooks under papermill with their smoke parameters: no error cells, a run folder with a
-headline, static figures at 150 dpi whose alt text is in the notebook's Markdown, and an HTML export that shows them."""
+headline shown first, static figures at 150 dpi whose alt text is in the notebook's Markdown, a static snapshot of the
+live controls, and an HTML export that shows them."""
 from __future__ import annotations
 
 import io
@@ -16,7 +17,13 @@ from lab.teach import LESSONS
 
 ROOT = Path(__file__).resolve().parent.parent
 FIGURES = {"teach_weight_explosion": 2, "teach_clip_mask": 3, "teach_vespo_kernel": 4, "teach_gvpo_zero_sum": 3,
-           "teach_vopd_baseline": 2}
+           "teach_vopd_baseline": 2}  # static figures, the live controls' snapshot not counted
+WIDGET = "application/vnd.jupyter.widget-view+json"
+
+
+def _outputs(path: Path) -> list:
+    nb = nbformat.read(str(path), as_version=4)
+    return [o for c in nb.cells if c.cell_type == "code" for o in c.outputs]
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +82,7 @@ def test_figures_at_150_dpi_with_alt_text(executed, lesson):
     nb = nbformat.read(str(executed[lesson.name][0]), as_version=4)
     markdown = " ".join(c.source for c in nb.cells if c.cell_type == "markdown")
     figures = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs
-               if "image/png" in o.get("data", {}) and "text/html" in o.get("data", {})]
+               if "image/png" in o.get("data", {}) and "text/html" in o.get("data", {}) and WIDGET not in o["data"]]
     assert len(figures) == FIGURES[lesson.name]
     for out in figures:
         image = Image.open(io.BytesIO(b64decode(out["data"]["image/png"])))
@@ -85,14 +92,47 @@ def test_figures_at_150_dpi_with_alt_text(executed, lesson):
         assert len(alt) > 80 and alt.replace("&#x27;", "'") in markdown
 
 
-def test_html_export_shows_the_figures(executed):
-    """The static report: nbconvert's lab template, scripts removed as the report driver does."""
-    from nbconvert import HTMLExporter
+@pytest.mark.parametrize("lesson", LESSONS, ids=lambda l: l.name)
+def test_the_finding_comes_first(executed, lesson):
+    """After the title, before any figure or table: the headline the run folder holds, computed, not typed."""
+    path, run = executed[lesson.name]
+    nb = nbformat.read(str(path), as_version=4)
+    assert nb.cells[0].cell_type == "markdown" and nb.cells[0].source.startswith("# ")
+    assert "\n" not in nb.cells[0].source.strip()  # the title alone; the introduction follows the finding
+    first = next(o for o in _outputs(path) if "data" in o)
+    headline = json.loads((run / "summary.json").read_text())["headline"]
+    assert first["data"]["text/markdown"] == f"**The finding.** {headline}."
+    source = nbformat.read(str(ROOT / lesson.notebook), as_version=4)
+    finding = next(c for c in source.cells if "**The finding.**" in c.source)
+    assert source.cells.index(finding) <= 3 and "headline = " in finding.source
 
-    path = executed["teach_vespo_kernel"][0]
-    body, _ = HTMLExporter(template_name="lab", exclude_input=True).from_notebook_node(nbformat.read(str(path), 4))
-    body = re.sub(r"<script\b.*?</script>", "", body, flags=re.S | re.I)
+
+@pytest.mark.parametrize("lesson", LESSONS, ids=lambda l: l.name)
+def test_live_controls_leave_a_static_snapshot(executed, lesson):
+    """Under papermill there is no widget frontend: the controls' output also carries the figure at the notebook's
+    setting (150 dpi, with alt text) and where to move them (the lesson's static page, make lab)."""
+    from base64 import b64decode
+
+    from PIL import Image
+
+    path, run = executed[lesson.name]
+    (out,) = [o for o in _outputs(path) if WIDGET in o.get("data", {})]
+    image = Image.open(io.BytesIO(b64decode(out["data"]["image/png"])))
+    assert [round(d) for d in image.info["dpi"]] == [150, 150] and image.size[0] > 600
+    html_text = out["data"]["text/html"]
+    assert f'href="{lesson.page}.html"' in html_text and "make lab" in html_text
+    assert len(re.search(r'alt="([^"]+)"', html_text).group(1)) > 80
+    assert (run / f"{lesson.page}.html").stat().st_size > 100_000  # the static page sits beside the report
+
+
+def test_html_export_shows_the_figures(executed):
+    """The static report as the driver writes it: every figure, the controls' snapshot instead of an empty widget
+    area, the finding, no scripts."""
+    path, run = executed["teach_vespo_kernel"]
+    body = (run / "teach_vespo_kernel.html").read_text(encoding="utf-8")
     imgs = [tag for tag in re.findall(r"<img\b[^>]*>", body) if 'src="data:image/png;base64,' in tag]
     alts = [re.search(r'alt="([^"]*)"', tag) for tag in imgs]
-    assert len(imgs) == FIGURES["teach_vespo_kernel"] and all(a and len(a.group(1)) > 80 for a in alts)
-    assert "Traceback" not in body and "Proposition 3.1" in body and "Headline." in body
+    assert len(imgs) == FIGURES["teach_vespo_kernel"] + 1 and all(a and len(a.group(1)) > 80 for a in alts)
+    assert "Traceback" not in body and "Proposition 3.1" in body and "The finding." in body
+    assert "<script" not in body and 'class="jupyter-widgets' not in body
+    assert body.index("The finding.") < body.index("<img") and 'href="vespo_kernel.html"' in body

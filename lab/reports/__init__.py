@@ -6,9 +6,11 @@ styles) and renames the folder into ``<out_root>/<name>/``:
 
     <name>.ipynb  <name>.html  config.json  results.parquet  summary.json
 
-Parameters are checked against the notebook's parameters cell before anything runs (``lab.reports.params``). A
-failed execution raises ``LabError`` naming the failing cell's error; nothing is left in the reports folder, and the
-partially executed notebook is kept for debugging in the per-user cache (``failed-reports/``), named in the error.
+Parameters are checked against the notebook's parameters cell before anything runs (``lab.reports.params``), and a
+report whose notebook builds a study config builds and validates that config too (``Report.config``), so that an
+unknown estimator or a missing device is one line before any kernel starts. A failed execution raises ``LabError``
+naming the failing cell's error; nothing is left in the reports folder, and the partially executed notebook is kept
+for debugging in ``$LAB_FAILED_REPORTS`` (default: the per-user cache's ``failed-reports/``), named in the error.
 A kill -9 leaves a hidden staging folder; the next run of the same report removes it (a lock per report name keeps
 two runs of one report apart).
 Each study's figures and answer text live beside the driver, one module per study (``lab.reports.variance``, ...),
@@ -42,6 +44,7 @@ from lab.runs import RUN_FILES, remove_empty, atomic_dir, cache_dir, check_writa
 from lab.teach import LESSONS
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
+_study = report_params.study_config
 
 
 def _summary_headline(summary: dict) -> str:
@@ -55,30 +58,33 @@ class Report:
     params: dict = field(default_factory=dict)  # overrides of the notebook's defaults used by run_all
     smoke: dict = field(default_factory=dict)  # small parameters: the test suite builds every report with them
     headline: Callable[[dict], str] = _summary_headline  # summary.json -> one line for the gallery
+    config: Callable[[dict], object] | None = None  # all parameter values -> the validated study config (or raises)
+    page: str = ""  # a lesson's static page (lab.teach.pages slug), written into the report folder
 
 
 REPORTS: dict[str, Report] = {
     "estimator_variance": Report(
         "notebooks/estimator_variance.ipynb",
         "How wrong and how noisy is the policy gradient under each off-policy correction as rollouts go stale.",
-        smoke={"replicates": 40, "values": [0, 4]}, headline=variance_text.headline),
+        smoke={"replicates": 40, "values": [0, 4]}, headline=variance_text.headline, config=_study("variance")),
     "estimator_zoo": Report(
         "notebooks/estimator_zoo.ipynb",
         "Every estimator side by side: its effective coefficient on grad log pi, and bias, variance and MSE on the "
         "same batches across staleness.",
-        smoke={"replicates": 30, "values": [0, 8]}),
+        smoke={"replicates": 30, "values": [0, 8]}, config=_study("variance")),
     "vespo_bound": Report(
         "notebooks/vespo_bound.ipynb",
         "VESPO's variance bound (Proposition 3.1) checked exactly by enumeration, and VESPO against sequence IS up "
         "to 64x staleness.",
         smoke={"lags": [0, 4], "kl_targets": [0.1], "temperatures": [2.0], "bound_seeds": [0], "replicates": 40,
                "trajectory_steps": 4, "kernels": [[2, 3], [3, 2], [1, 1], [0.5, 1]]},
-        headline=vespo_bound_text.headline),
+        headline=vespo_bound_text.headline, config=_study("vespo_bound")),
     "gvpo_optimum": Report(
         "notebooks/gvpo_optimum.ipynb",
         "GVPO converges to the KL-constrained optimum pi_ref exp(R/beta)/Z, on-policy and from other sampling "
         "distributions, against IS-corrected alternatives.",
-        smoke={"steps": 60, "seeds": [0, 1], "groups_per_step": 8}, headline=gvpo_optimum_text.headline),
+        smoke={"steps": 60, "seeds": [0, 1], "groups_per_step": 8}, headline=gvpo_optimum_text.headline,
+        config=_study("gvpo_optimum")),
     "opd_variance": Report(
         "notebooks/opd_variance.ipynb",
         "On-policy distillation: vanilla OPD, vOPD (full and top-k baselines), full-vocabulary and top-k KL: bias "
@@ -86,14 +92,14 @@ REPORTS: dict[str, Report] = {
         "student-teacher divergence).",
         smoke={"vocab_size": 8, "length": 2, "replicates": 40, "k_values": [2], "teacher_steps": 3,
                "grid_vocab_sizes": [3, 8], "grid_teacher_noises": [1.0], "grid_replicates": 40, "grid_lengths": [2]},
-        headline=distillation_text.headline),
+        headline=distillation_text.headline, config=_study("distillation")),
     "staleness_training": Report(
         "notebooks/staleness_training.ipynb",
         "Training under staleness: final reward, collapse rate and probability of improvement per correction as "
         "mini-batch staleness N, the async bound eta and sampler mismatch grow, beside VESPO's table.",
         smoke={"estimators": ["reinforce", "ppo_clip", "vespo"], "minibatches": [1, 4], "seeds": [0, 1], "steps": 4,
                "etas": [0, 2], "noise_levels": [0.0, 0.5], "n_boot": 200},
-        headline=staleness_text.headline),
+        headline=staleness_text.headline, config=_study("staleness_training")),
     "rollout_diagnostics": Report(
         "notebooks/rollout_diagnostics.ipynb",
         "Importance-weight diagnostics of a training run's own rollout log (or a simulated bf16/async run): "
@@ -107,21 +113,22 @@ REPORTS: dict[str, Report] = {
         "bias, variance and MSE of each correction against lag and response length, exact by enumeration.",
         smoke={"lengths": [2], "model": "test", "values": [0, 2], "replicates": 30, "trajectory_steps": 2,
                "estimators": ["reinforce", "seq_is", "token_is"]},
-        headline=real_model_text.headline),
+        headline=real_model_text.headline, config=_study("real_model_variance")),
     "mismatch_anatomy": Report(
         "notebooks/mismatch_anatomy.ipynb",
         "Train/inference mismatch measured on real networks: bf16 weights, KV cache and MoE routing (with replay) of "
         "the lab's transformer and SmolLM2-135M, per token, against token probability and along the response, beside "
         "the figures practitioners report.",
         smoke={"inlab_sizes": ["test", "test_moe"], "inlab_init": "random", "lm": "none", "n_boot": 200},
-        headline=mismatch_text.headline),
+        headline=mismatch_text.headline, config=mismatch_text.config),
     "real_staleness_training": Report(
         "notebooks/real_staleness_training.ipynb",
         "VESPO's staleness table in miniature on the lab's transformer: final held-out accuracy and collapse rate of "
         "each correction as mini-batch staleness N grows to 64, under async lag and a real bf16 / MoE sampler.",
         smoke={"env": "chain3", "size": "test", "estimators": ["reinforce", "ppo_clip", "vespo"], "minibatches": [1, 4],
                "seeds": [0, 1], "steps": 2, "rollout_batch": 32, "group_size": 4, "etas": [0, 2],
-               "sampler_dtypes": ["bfloat16"], "replay": [False, True], "n_boot": 200}),
+               "sampler_dtypes": ["bfloat16"], "replay": [False, True], "n_boot": 200},
+        config=_study("real_staleness_training")),
     "real_distillation": Report(
         "notebooks/real_distillation.ipynb",
         "On-policy distillation from a real teacher transformer: where vOPD's baseline cuts the gradient variance "
@@ -129,10 +136,12 @@ REPORTS: dict[str, Report] = {
         "full-vocabulary and top-k KL across vocabulary sizes and student-teacher gaps (or a sweep's results).",
         smoke={"vocab_sizes": [10], "student_accuracies": [0.0], "seeds": [0, 1], "steps": 4, "grad_every": 2,
                "probe_size": 8, "batch_size": 16, "teacher_size": "small", "teacher_accuracy": 0.5,
-               "student_size": "test"}),
+               "student_size": "test"},
+        config=_study("real_distillation")),
 }
 
-REPORTS.update({lesson.name: Report(lesson.notebook, lesson.description, smoke=lesson.smoke) for lesson in LESSONS})
+REPORTS.update({lesson.name: Report(lesson.notebook, lesson.description, smoke=lesson.smoke, page=lesson.page)
+                for lesson in LESSONS})
 
 
 def names() -> list[str]:
@@ -160,13 +169,13 @@ def _one_line(text: str) -> str:
     return text.splitlines()[0] if text else ""
 
 
+_WIDGET = "application/vnd.jupyter.widget-view+json"
 _SCRIPTS = re.compile(r"<script\b.*?</script>", re.I | re.S)  # MathJax, require.js, mermaid: all from CDNs
 _REMOTE_LINKS = re.compile(r"<link\b[^>]*\bhref\s*=\s*[\"']?(?:https?:)?//[^>]*>", re.I)
 _CSS = """<style>
 body { max-width: 1180px; margin: 0 auto !important; padding: 0 24px 48px; }
 .jp-Notebook { padding: 8px 0 !important; }
 .jp-RenderedHTMLCommon table.lab-headline { font-size: 13px; }
-.jp-RenderedHTMLCommon table.lab-headline td, .jp-RenderedHTMLCommon table.lab-headline th { white-space: nowrap; }
 .jp-RenderedImage img { max-width: 100%; height: auto; }
 .lab-provenance { color: #666; font: 12px system-ui, sans-serif; padding: 10px 0; border-bottom: 1px solid #eee;
                   overflow-wrap: anywhere; }
@@ -182,6 +191,10 @@ def export_html(notebook: Path, title: str) -> str:
     from bs4 import BeautifulSoup
 
     nb = nbformat.read(str(notebook), as_version=4)
+    for out in (o for cell in nb.cells for o in cell.get("outputs", [])):
+        data = out.get("data", {})
+        if _WIDGET in data and ({"text/html", "image/png"} & set(data)):
+            del data[_WIDGET]  # a static page has no widget state: show the output's static fallback instead
     exporter = HTMLExporter(template_name="lab", exclude_input=True, exclude_input_prompt=True,
                             exclude_output_prompt=True)
     exporter.log.setLevel("ERROR")  # it warns about missing alt text, which is added below
@@ -227,6 +240,12 @@ def run_report(name: str, params: dict | None = None, out_root: Path = Path("rep
     if not notebook.exists():
         raise LabError(f"report notebook {notebook} not found; reports run from a source checkout (pip install -e .)")
     params = report_params.check(name, notebook, dict(params or {}))
+    if report.config:  # the study's own checks, before a kernel starts
+        defaults = {k: p.default for k, p in parameters(name).items()}
+        try:
+            report.config({**defaults, **params})
+        except LabError as e:
+            raise LabError(f"report {name!r}: {e}") from None
     out_root = Path(out_root).resolve()
     dest = out_root / name
     check_writable(dest)
@@ -250,6 +269,11 @@ def run_report(name: str, params: dict | None = None, out_root: Path = Path("rep
         for f in (stage / "run").iterdir():  # the run files, and whatever else the report keeps (logs, tables)
             os.replace(f, stage / f.name)
         (stage / "run").rmdir()
+        if report.page:  # the lesson's static page with live controls, linked from its "Try it" section
+            from lab.teach import pages
+
+            lesson = next(p for p in pages.pages() if p.slug == report.page)
+            (stage / f"{report.page}.html").write_text(pages.render(lesson), encoding="utf-8")
         page = _stamp(export_html(executed, title=f"{name} report"), stage, name)
         (stage / f"{name}.html").write_text(page, encoding="utf-8")
     return dest
@@ -277,10 +301,16 @@ def _report_lock(out_root: Path, name: str):
         remove_empty(made)  # folders this run created and left empty (a failed first build)
 
 
+def failed_reports_dir() -> Path:
+    """Where partially executed notebooks of failed reports are kept: $LAB_FAILED_REPORTS, else the per-user cache's
+    failed-reports/ (apart from the model cache, so that tests can send them elsewhere and still share the models)."""
+    return Path(os.environ.get("LAB_FAILED_REPORTS") or cache_dir() / "failed-reports")
+
+
 def _keep_failed(executed: Path, name: str) -> Path | str:
-    """Copy a partially executed notebook to the cache's failed-reports folder; its path (or why not)."""
+    """Copy a partially executed notebook to the failed-reports folder; its path (or why not)."""
     try:
-        folder = cache_dir() / "failed-reports"
+        folder = failed_reports_dir()
         folder.mkdir(parents=True, exist_ok=True)
         kept = folder / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}.ipynb"
         shutil.copyfile(executed, kept)
@@ -298,12 +328,22 @@ def run(name: str, out_root: Path = Path("reports"), **params) -> dict:
 
 def run_all(out_root: Path = Path("reports"), workers: int = 1, on_event=None) -> list[Path]:
     """Build every report with its default parameters (``workers`` notebooks at a time), then the gallery
-    ``out_root/index.html``. ``on_event(kind, name, seconds)`` hears "start" and "done" for each report."""
-    def build(name: str) -> Path:
+    ``out_root/index.html``. ``on_event(kind, name, seconds)`` hears "start", then "done" or "failed" (with the
+    one-line error as ``error=``) for each report. A failed report does not stop the others: the gallery is written
+    with those that built, then a ``LabError`` names the failures."""
+    failed = {}
+
+    def build(name: str) -> Path | None:
         if on_event:
             on_event("start", name, 0.0)
         t0 = time.perf_counter()
-        path = run_report(name, REPORTS[name].params, out_root)
+        try:
+            path = run_report(name, REPORTS[name].params, out_root)
+        except LabError as e:
+            failed[name] = str(e)
+            if on_event:
+                on_event("failed", name, time.perf_counter() - t0, error=str(e))
+            return None
         if on_event:
             on_event("done", name, time.perf_counter() - t0)
         return path
@@ -320,7 +360,11 @@ def run_all(out_root: Path = Path("reports"), workers: int = 1, on_event=None) -
             os.environ.pop("OMP_NUM_THREADS", None)
         else:
             os.environ["OMP_NUM_THREADS"] = threads
-    return [*paths, write_index(out_root)]
+    index = write_index(out_root)
+    if failed:
+        raise LabError(f"{len(failed)} of {len(paths)} reports failed ({'; '.join(failed.values())}); the gallery "
+                       f"{index} shows the {len(paths) - len(failed)} others")
+    return [*paths, index]
 
 
 def _thumbnail(notebook: Path) -> str | None:
@@ -357,7 +401,7 @@ def _provenance_line(prov: dict) -> str:
 
 
 def _file_links(name: str, prefix: str = "") -> str:
-    files = [f"{name}.ipynb", *RUN_FILES]
+    files = [f"{name}.ipynb", *RUN_FILES, *([f"{REPORTS[name].page}.html"] if REPORTS[name].page else [])]
     return " · ".join(f'<a href="{prefix}{html.escape(f)}">{html.escape(f)}</a>' for f in files)
 
 

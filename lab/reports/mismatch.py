@@ -32,6 +32,32 @@ def setting_colors(settings) -> dict[str, str]:
     return out
 
 
+# ---- input ----------------------------------------------------------------------------------------------------------
+
+def config(values: dict):
+    """The report's parameters as the study's validated config, with the pretrained LM's files checked too (the study
+    itself reads them only when it loads the model, after the in-lab models)."""
+    import json
+
+    from lab.policies.hf import _locate, smollm2_path
+    from lab.reports.params import study_config
+
+    cfg = study_config("mismatch")(values)
+    if cfg.lm != "none":
+        folder, gguf = _locate(smollm2_path() if cfg.lm == "smollm2" else cfg.lm)
+        try:
+            if gguf:
+                with open(folder / gguf, "rb") as f:
+                    if f.read(4) != b"GGUF":
+                        raise ValueError("not a GGUF file")
+            else:
+                json.loads((folder / "config.json").read_text())
+        except (OSError, ValueError) as e:
+            raise LabError(f"lm {cfg.lm!r} is not a readable model ({folder / (gguf or 'config.json')}: {e}); the "
+                           f"checkpoint is corrupt") from None
+    return cfg
+
+
 # ---- text -----------------------------------------------------------------------------------------------------------
 def _num(x) -> float:
     """A number from the summary (summary.json stores NaN as null)."""
@@ -277,25 +303,42 @@ def _corrections_note(summary: dict) -> str | None:
             f"and the sequence mask [0.5, 2] drops {_v(e, 'seq_mis_masked'):.0%} of responses.")
 
 
-def settings_table(summary: dict):
-    """Per model and sampler setting: the per-token and per-sequence numbers with intervals."""
-    rows = []
+class Tables:
+    """Several styled tables shown one after the other (a notebook output, or ``to_html()``)."""
+
+    def __init__(self, *tables):
+        self.tables = tables
+
+    def to_html(self) -> str:
+        return "".join(t.to_html() for t in self.tables)
+
+    _repr_html_ = to_html
+
+
+def settings_table(summary: dict) -> Tables:
+    """Per model and sampler setting, with intervals: the per-token numbers, then the per-sequence growth and the
+    routing (two tables of at most nine columns, so that each fits the page)."""
+    tokens, sequences = [], []
     for name, info in summary["models"].items():
         for s, e in info["settings"].items():
-            row = {"model": name, "sampler": s, "tokens": f"{_v(e, 'tokens'):.0f}",
-                   "mean |Δ|": _iv(e, "abs_mean"), "p90 |Δ|": _iv(e, "abs_q90", "{:.2g}"),
-                   "p99 |Δ|": _iv(e, "abs_q99", "{:.2g}"), "max |Δ|": f"{_v(e, 'abs_max'):.2g}",
-                   "p<0.1 ÷ p>0.9": _iv(e, "low_high_ratio", "{:.2g}"), "KL k3": f"{_v(e, 'kl_k3'):.2g}",
-                   "|log w| growth / token": _iv(e, "growth_rate", "{:.2g}"),
+            key = {"model": name, "sampler": s}
+            tokens.append({**key, "tokens": f"{_v(e, 'tokens'):.0f}", "mean |Δ|": _iv(e, "abs_mean"),
+                           "p90 |Δ|": _iv(e, "abs_q90", "{:.2g}"), "p99 |Δ|": _iv(e, "abs_q99", "{:.2g}"),
+                           "max |Δ|": f"{_v(e, 'abs_max'):.2g}", "p<0.1 ÷ p>0.9": _iv(e, "low_high_ratio", "{:.2g}"),
+                           "KL k3": f"{_v(e, 'kl_k3'):.2g}"})
+            row = {**key, "|log w| growth / token": _iv(e, "growth_rate", "{:.2g}"),
                    "growth exponent": _iv(e, "growth_exponent", "{:.2f}")}
             if "route_disagreement" in e:
                 row["routes differ"] = _iv(e, "route_disagreement", "{:.2%}")
                 row["replay: KL reduction"] = _iv(e, "replay_kl_reduction", "{:.0%}")
-            rows.append(row)
-    df = pd.DataFrame(rows).fillna("")
-    return table(df, "Sampler against trainer, per setting: |Δ log p| per token, the low/high-probability ratio, "
-                     "the train/inference KL, and the growth of the sequence log-weight |log w| with length "
-                     "(exponent 1: linear accumulation, 0.5: random walk). [95% bootstrap interval over sequences]")
+            sequences.append(row)
+    ci = " [95% bootstrap interval over sequences]"
+    return Tables(
+        table(pd.DataFrame(tokens), "Sampler against trainer, per token: |Δ log p|, the low/high-probability ratio "
+                                    "and the train/inference KL." + ci),
+        table(pd.DataFrame(sequences).fillna("–"), "Per sequence: the growth of the log-weight |log w| with length "
+                                                  "(exponent 1: linear accumulation, 0.5: random walk); for mixtures "
+                                                  "of experts, the routing." + ci))
 
 
 # ---- figures --------------------------------------------------------------------------------------------------------

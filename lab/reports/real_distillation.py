@@ -8,15 +8,9 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import NullLocator
 
 from lab.reports.distillation import pretty
-from lab.reports import style
-from lab.reports.style import interval, table
+from lab.reports.style import color, interval, table
 
 ORDER = ("opd", "vopd", "vopd_topk", "kl_full", "kl_topk")
-
-
-def color(estimator: str) -> str:
-    """The lab's colour of an estimator; the top-k ones take their family's variant colour, as in opd_variance."""
-    return style.color({"vopd_topk": "vopd_top", "kl_topk": "kl_top"}.get(estimator, estimator))
 
 
 def _fmt(r: dict | None, fmt: str = "{:.2g}") -> str:

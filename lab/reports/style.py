@@ -1,7 +1,8 @@
 """What every report shares: one colour per estimator, interval formatting, table styling.
 
 Colours follow the registry order, so an estimator keeps its colour in every report and figure; variants of an
-estimator (``vopd_top8``, ``opd_rtg``) take their base estimator's colour family.
+estimator (``vopd_top8``, ``opd_rtg``, and the registry's own ``vopd_topk`` and ``kl_topk``) take their family's
+variant colour.
 """
 from __future__ import annotations
 
@@ -27,8 +28,9 @@ def _registry_colors() -> dict[str, str]:
     free = [c for c in _PALETTE if c not in set(_PINNED.values()) | set(_VARIANTS.values())]
     out, i = {}, 0
     for name in estimators.names():
-        if name in _PINNED:
-            out[name] = _PINNED[name]
+        variant = [c for prefix, c in _VARIANTS.items() if name.startswith(prefix)]
+        if name in _PINNED or variant:
+            out[name] = _PINNED.get(name) or variant[0]
         else:
             out[name] = free[i % len(free)]
             i += 1
@@ -53,9 +55,10 @@ def interval(value, lo, hi, fmt: str = "{:.3g}") -> str:
     return f"{fmt.format(value)} [{fmt.format(lo)}, {fmt.format(hi)}]"
 
 
-def table(df: pd.DataFrame, caption: str, highlight: dict | None = None):
+def table(df: pd.DataFrame, caption: str, highlight: dict | None = None, text: tuple = ()):
     """A pandas Styler with the lab's table look: no index, right-aligned cells, caption on top; ``highlight``
-    maps row positions to the columns to mark (bold on green)."""
+    maps row positions to the columns to mark (bold on green); ``text`` names columns of prose, shown in full,
+    left-aligned and wrapped."""
     styled = df.style.hide(axis="index")
     if highlight:
         marks = pd.DataFrame("", index=df.index, columns=df.columns)
@@ -63,6 +66,8 @@ def table(df: pd.DataFrame, caption: str, highlight: dict | None = None):
             for c in cols:
                 marks.iloc[i, df.columns.get_loc(c)] = "font-weight: bold; background-color: #e3f4e1"
         styled = styled.apply(lambda _: marks, axis=None)
+    prose = "text-align: left; min-width: 8em; overflow-wrap: anywhere;"
     return (styled.set_table_attributes('class="lab-headline"').set_caption(caption)
             .set_table_styles([{"selector": "caption", "props": "caption-side: top; text-align: left; color: #555;"},
-                               {"selector": "td, th", "props": "text-align: right; padding: 3px 10px;"}]))
+                               {"selector": "td, th", "props": "text-align: right; padding: 3px 10px;"}])
+            .set_table_styles({c: [{"selector": "td, th", "props": prose}] for c in text}, overwrite=False))

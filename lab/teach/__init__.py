@@ -26,6 +26,11 @@ class Lesson:
     description: str
     smoke: dict = field(default_factory=dict)  # small parameters for test runs (papermill)
 
+    @property
+    def page(self) -> str:
+        """The slug of the lesson's static page (``lab.teach.pages``)."""
+        return self.name.removeprefix("teach_")
+
 
 LESSONS = (
     Lesson("teach_weight_explosion", "notebooks/teach/01_weight_explosion.ipynb",

@@ -3,30 +3,39 @@
 ``Live`` holds the controls, a picture (an Output widget whose outputs are set directly, so it also works without
 a frontend, e.g. under papermill or in tests) and a line of numbers. Each builder below returns one for a lesson;
 every redraw calls the lesson's numpy core and a small matplotlib figure at a screen resolution, well under a
-second on a laptop (``Live.elapsed`` records the last one). Without a widget frontend (a static export, GitHub's
-viewer) the cell shows a one-line note instead of the controls; the notebooks draw their static figures separately.
+second on a laptop (``Live.elapsed`` records the last one). Without a widget frontend (papermill, a static export,
+GitHub's viewer) the cell shows its static fallback instead of the controls: the figure at the setting it was built
+with as a 150-dpi PNG, its numbers, and a sentence pointing to the lesson's static page and to ``make lab``.
+Estimator series take the lab's colour for that estimator (``lab.reports.style.color``).
 """
 from __future__ import annotations
 
 import time
 from typing import Callable
 
+import html
+
 import numpy as np
 
 from lab.estimators import vespo
+from lab.reports.style import color
 from lab.teach import clip_mask, gvpo_zero_sum, plots, tokens, vespo_kernel, vopd_baseline, weight_explosion
 
 LIVE_DPI = 72
 NOTE = "Live controls: open this notebook in JupyterLab with a running kernel (make lab) to move them."
+STATIC = ("Static picture at the notebook's setting: the controls need a running kernel. Open this notebook in "
+          "JupyterLab (<code>make lab</code>) to move them, or open the lesson's <a href=\"{page}.html\">static page"
+          "</a>, which recomputes in the browser with no Python (<code>python -m lab.teach.pages DIR</code> writes "
+          "it anywhere).")
 
 
 class Live:
     """Controls + picture + numbers; ``update()`` redraws with the controls' current values."""
 
-    def __init__(self, title: str, controls: dict, draw: Callable[..., tuple]):
+    def __init__(self, title: str, controls: dict, draw: Callable[..., tuple], page: str):
         import ipywidgets as w
 
-        self.controls, self.draw = controls, draw
+        self.title, self.controls, self.draw, self.page = title, controls, draw, page
         self.picture = w.Output()
         self.numbers = w.HTML()
         self.elapsed = float("nan")
@@ -51,11 +60,19 @@ class Live:
         self.figure = fig
         self.elapsed = time.perf_counter() - start
 
+    def snapshot(self) -> dict:
+        """The static fallback: the current figure as a 150-dpi PNG (alt text: the title and the numbers) under a
+        sentence that says where the live version is."""
+        data = plots.bundle(self.figure, f"{self.title}, at the notebook's setting: {self.numbers.value}", tight=False)
+        note = STATIC.format(page=html.escape(self.page))
+        return {"image/png": data["image/png"], "text/plain": NOTE,
+                "text/html": f"<p><em>{note}</em></p><p>{html.escape(self.numbers.value)}</p>{data['text/html']}"}
+
     def _repr_mimebundle_(self, **kwargs):
         out = self.widget._repr_mimebundle_(**kwargs)
         if isinstance(out, tuple):
             out = out[0]
-        return {**out, "text/plain": NOTE}
+        return {**out, **self.snapshot()}  # a widget frontend shows the controls, anything else the snapshot
 
 
 def _sliders():
@@ -116,7 +133,8 @@ def weight_explosion_ui(kl: float = 0.01, length: int = 256, vocab: int = 32, ba
 
     return Live("Sequence weights: per-token KL, length, vocabulary, batch",
                 {"kl": floatlog("per-token KL", kl, -3, 0), "length": ints("length T", length, 1, 1024),
-                 "vocab": ints("vocabulary V", vocab, 2, 512), "batch": ints("batch size", batch, 16, 1024)}, draw)
+                 "vocab": ints("vocabulary V", vocab, 2, 512), "batch": ints("batch size", batch, 16, 1024)},
+                draw, "weight_explosion")
 
 
 # ---- 2 --------------------------------------------------------------------------------------------------------
@@ -144,6 +162,8 @@ def clip_mask_ui(kl: float = 0.1, vocab: int = 64, seed: int = 0, method: str = 
                                              ("zeroed", "mu dropped"))):
             bx.bar(x + (i - 1) * 0.27, pivot[metric], 0.27, label=label, color=plots.COLORS[(0, 1, 3)[i]])
         bx.set_xticks(x, [clip_mask.LABELS[m] for m in pivot.index], rotation=20, fontsize=7)
+        for tick, m in zip(bx.get_xticklabels(), pivot.index):
+            tick.set_color(color(m))
         bx.set(ylim=(0, 1.05))
         bx.legend(fontsize=7)
         r = pivot.loc[method]
@@ -156,7 +176,7 @@ def clip_mask_ui(kl: float = 0.1, vocab: int = 64, seed: int = 0, method: str = 
                 {"kl": floatlog("per-token KL", kl, -2, 0), "vocab": ints("vocabulary V", vocab, 2, 512),
                  "seed": ints("draw", seed, 0, 30),
                  "method": choice("colour by", method, [(clip_mask.LABELS[m], m) for m in clip_mask.METHODS]),
-                 "eps": floats("PPO eps", eps, 0.05, 0.5, 0.01)}, draw)
+                 "eps": floats("PPO eps", eps, 0.05, 0.5, 0.01)}, draw, "clip_mask")
 
 
 # ---- 3 --------------------------------------------------------------------------------------------------------
@@ -172,13 +192,13 @@ def vespo_kernel_ui(k: float = vespo.K_POS, lam: float = vespo.LAMBDA_POS, kl: f
         fig, (ax, bx) = plots._fig(2, width=4.6, height=3.2, fast=True)
         grid = np.asarray(d["log_w_grid"])
         ax.plot(grid, np.exp(grid), ":", color="0.6", label="W")
-        ax.plot(grid, d["phi"], lw=2, color=plots.COLORS[3], label="phi(W)")
+        ax.plot(grid, d["phi"], lw=2, color=color("vespo"), label="phi(W)")
         if d["k_w"] is not None:
             ax.plot(grid, d["k_w"], "--", color=plots.COLORS[1], label="K W")
         ax.set(ylim=(0, 3), xlabel="log W", title="kernel and bound")
         ax.legend(fontsize=7)
         centres = 0.5 * (edges[1:] + edges[:-1])
-        for key, c, label in (("mu", plots.COLORS[0], "mu"), ("q", plots.COLORS[3], "Q"), ("pi", plots.COLORS[2], "pi")):
+        for key, c, label in (("mu", plots.MU, "mu"), ("q", color("vespo"), "Q"), ("pi", plots.TARGET, "pi")):
             bx.step(centres, d["hist"][key], where="mid", color=c, lw=2, label=label)
             bx.plot([s[f"mean_logw_{key}"]], [0], "^", ms=9, color=c, clip_on=False)
         bx.set(xlabel="log W", title="mu, Q, pi on the log-W axis")
@@ -190,7 +210,8 @@ def vespo_kernel_ui(k: float = vespo.K_POS, lam: float = vespo.LAMBDA_POS, kl: f
 
     return Live("VESPO's kernel: k, lambda, staleness, length",
                 {"k": floats("k", k, 0.0, 5.0, 0.1), "lam": floats("lambda", lam, 0.1, 5.0, 0.1),
-                 "kl": floats("per-token KL", kl, 0.0, 0.5, 0.01), "length": ints("length T", length, 1, 8)}, draw)
+                 "kl": floats("per-token KL", kl, 0.0, 0.5, 0.01), "length": ints("length T", length, 1, 8)},
+                draw, "vespo_kernel")
 
 
 # ---- 4 --------------------------------------------------------------------------------------------------------
@@ -212,8 +233,8 @@ def gvpo_ui(beta: float = 0.5, lr: float = 1.0, steps: int = 300, sampler: str =
         i = gvpo_zero_sum.SAMPLERS.index(sampler)
         opt = np.exp(gvpo_zero_sum.optimum(log_ref, reward, beta))
         x = np.arange(len(opt))
-        for j, (p, label, c) in enumerate(((np.exp(log_ref), "pi_ref", "0.6"), (opt, "pi*", plots.COLORS[2]),
-                                           (np.exp(gv["log_pi"][i]), "GVPO", plots.COLORS[0]),
+        for j, (p, label, c) in enumerate(((np.exp(log_ref), "pi_ref", "0.6"), (opt, "pi*", plots.TARGET),
+                                           (np.exp(gv["log_pi"][i]), "GVPO", color("gvpo")),
                                            (np.exp(nv["log_pi"][i]), "uncentred", plots.COLORS[1]))):
             bx.bar(x + (j - 1.5) * 0.2, p, 0.2, color=c, label=label)
         bx.set(xlabel="response", title=f"final policies, sampler {sampler}")
@@ -225,7 +246,8 @@ def gvpo_ui(beta: float = 0.5, lr: float = 1.0, steps: int = 300, sampler: str =
     return Live("GVPO: beta, step size, steps, sampler",
                 {"beta": floatlog("beta", beta, -1.3, 0.3), "lr": floats("step (1/beta^2 units)", lr, 0.1, 1.9, 0.1),
                  "steps": ints("steps", steps, 10, 600),
-                 "sampler": choice("sampler", sampler, list(gvpo_zero_sum.SAMPLERS))}, draw)
+                 "sampler": choice("sampler", sampler, list(gvpo_zero_sum.SAMPLERS))},
+                draw, "gvpo_zero_sum")
 
 
 # ---- 5 --------------------------------------------------------------------------------------------------------
@@ -240,13 +262,14 @@ def vopd_ui(vocab: int = 3, sharpness: float = 1.0, closeness: float = 0.0, seed
         ax.plot(d["baselines"], d["variance"], color="0.3", lw=2)
         lo, hi = sorted((0.0, 2 * m["b_star"]))
         ax.axvspan(lo, hi, color=plots.COLORS[2], alpha=0.15)
-        for b, v, c, label in ((0, m["var_opd"], plots.COLORS[0], "OPD"), (m["value"], m["var_vopd"], plots.COLORS[1], "vOPD"),
+        for b, v, c, label in ((0, m["var_opd"], color("opd"), "OPD"),
+                               (m["value"], m["var_vopd"], color("vopd"), "vOPD"),
                                (m["b_star"], m["var_best"], plots.COLORS[2], "b*")):
             ax.plot([b], [v], "o", color=c, label=label)
         ax.set(xlabel="baseline b", ylabel="variance", title="this pair (green: b helps)")
         ax.legend(fontsize=7)
-        bx.plot(d["vocabs"], d["helps_frac"], "o-", color=plots.COLORS[1], ms=4, label="share vOPD helps")
-        bx.plot(d["vocabs"], d["ratio_median"], "s--", color=plots.COLORS[0], ms=3, label="median variance ratio")
+        bx.plot(d["vocabs"], d["helps_frac"], "o-", color=color("vopd"), ms=4, label="share vOPD helps")
+        bx.plot(d["vocabs"], d["ratio_median"], "s--", color="0.3", ms=3, label="median variance ratio")
         bx.axvline(vocab, color="0.5", ls=":")
         bx.axhline(1, color="k", lw=0.5)
         bx.set(xscale="log", ylim=(0, 1.6), xlabel="vocabulary size V", title=f"{draws} random pairs per V")
@@ -259,4 +282,4 @@ def vopd_ui(vocab: int = 3, sharpness: float = 1.0, closeness: float = 0.0, seed
     return Live("vOPD's baseline: vocabulary, peakedness, teacher closeness, draw",
                 {"vocab": ints("vocabulary V", vocab, 2, 256), "sharpness": floats("logit scale", sharpness, 0.2, 4.0, 0.1),
                  "closeness": floats("teacher closeness", closeness, 0.0, 0.99, 0.01), "seed": ints("draw", seed, 0, 50)},
-                draw)
+                draw, "vopd_baseline")

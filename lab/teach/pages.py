@@ -30,9 +30,13 @@ import numpy as np
 from lab import estimators
 from lab.errors import LabError
 from lab.estimators import vespo
+from lab.reports.style import color as estimator_color
 from lab.teach import clip_mask, gvpo_zero_sum, jscore, vespo_kernel, vopd_baseline, weight_explosion
+from lab.teach.plots import MU, TARGET
 
 TV_FLOOR = 1e-9
+# Estimator series take the lab's colour for that estimator (estimator_color); PALETTE is for the other series, and
+# MU and TARGET (as in the notebooks' figures) mark the behaviour policy and the target (pi, pi*) beside an estimator.
 PALETTE = ("#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#17becf")
 FMT = """
 const fmt = (x) => (x === null || x === undefined || Number.isNaN(x)) ? "n/a" : (!isFinite(x) ? "∞" :
@@ -197,7 +201,7 @@ def _clip_page(page: Page):
                                     "mass": [d["at"][m]["mass_lost"] for m in methods],
                                     "zeroed": [d["at"][m]["zeroed"] for m in methods]}, name="bars")
     curves = models.ColumnDataSource({"x": [g["kl_grid"]] * len(methods), "y": [d["grid"][m]["cos"] for m in methods],
-                                      "color": list(PALETTE[:len(methods)]), "label": labels}, name="curves")
+                                      "color": [estimator_color(m) for m in methods], "label": labels}, name="curves")
     f1 = _figure("Tokens: kept, reweighted, dropped", "log rho = log pi(y) - log mu(y)  (dot size ~ mu(y))",
                  "advantage A")
     f1.scatter("x", "y", size="size", color="color", source=tok, alpha=0.7)
@@ -253,16 +257,16 @@ def _vespo_page(page: Page):
     hist = models.ColumnDataSource({"left": edges[:-1].tolist(), "right": edges[1:].tolist(), **d["hist"]},
                                    name="hist")
     means = models.ColumnDataSource({"x": [d["summary"][f"mean_logw_{s}"] for s in ("mu", "q", "pi")],
-                                     "y": [0.0, 0.0, 0.0], "color": [PALETTE[0], PALETTE[3], PALETTE[2]]},
+                                     "y": [0.0, 0.0, 0.0], "color": [MU, estimator_color("vespo"), TARGET]},
                                     name="means")
     f1 = _figure("phi(W) stays under K W", "log W", "coefficient", y_range=(0, 3.0))
     f1.line("x", "is", source=kern, color="#999", line_dash="dotted", legend_label="W (importance sampling)")
     f1.line("x", "kw", source=kern, color=PALETTE[1], line_dash="dashed", legend_label="K W")
-    f1.line("x", "phi", source=kern, color=PALETTE[3], line_width=2, legend_label="phi(W)")
+    f1.line("x", "phi", source=kern, color=estimator_color("vespo"), line_width=2, legend_label="phi(W)")
     f1.legend.location = "top_left"
     f2 = _figure("mu, Q = mu phi(W) / Z and pi on the log-W axis", "log W = log pi(y) - log mu(y)  (triangles: means)",
                  "probability", y_range=(0, 1.0))
-    for key, color, label in (("mu", PALETTE[0], "mu"), ("q", PALETTE[3], "Q (VESPO)"), ("pi", PALETTE[2], "pi")):
+    for key, color, label in (("mu", MU, "mu"), ("q", estimator_color("vespo"), "Q (VESPO)"), ("pi", TARGET, "pi")):
         f2.quad(left="left", right="right", top=key, bottom=0, source=hist, fill_color=color, fill_alpha=0.25,
                 line_color=color, legend_label=label)
     f2.scatter("x", "y", source=means, color="color", size=12, marker="triangle")
@@ -316,8 +320,9 @@ def _gvpo_page(page: Page):
     f1.multi_line("x", "y", color="color", line_dash="dash", legend_field="label", source=tv, line_width=2)
     _legend_below(f1, 2)
     f2 = _figure("Final policies", "response", "probability", x_range=idx)
-    for off, key, color, label in ((-0.3, "ref", "#999", "pi_ref"), (-0.1, "opt", PALETTE[2], "pi*"),
-                                   (0.1, "gvpo", PALETTE[0], "GVPO"), (0.3, "naive", PALETTE[1], "uncentred")):
+    for off, key, color, label in ((-0.3, "ref", "#999", "pi_ref"), (-0.1, "opt", TARGET, "pi*"),
+                                   (0.1, "gvpo", estimator_color("gvpo"), "GVPO"),
+                                   (0.3, "naive", PALETTE[1], "uncentred")):
         f2.vbar(x=_dodge("y", off, range=f2.x_range), top=key, width=0.18, source=dist, color=color,
                 legend_label=label)
     _legend_below(f2, 4)
@@ -352,7 +357,7 @@ def _vopd_page(page: Page):
     m = d["pair"]
     curve = models.ColumnDataSource({"b": d["baselines"], "v": d["variance"]}, name="parabola")
     marks = models.ColumnDataSource({"b": [0.0, m["value"], m["b_star"]], "v": [m["var_opd"], m["var_vopd"], m["var_best"]],
-                                     "color": [PALETTE[0], PALETTE[1], PALETTE[2]],
+                                     "color": [estimator_color("opd"), estimator_color("vopd"), PALETTE[2]],
                                      "label": ["OPD (b = 0)", "vOPD (b = V = -KL)", "best constant b*"]}, name="marks")
     band = models.BoxAnnotation(left=min(0.0, 2 * m["b_star"]), right=max(0.0, 2 * m["b_star"]), fill_alpha=0.12,
                                 fill_color=PALETTE[2], name="band")
@@ -366,8 +371,8 @@ def _vopd_page(page: Page):
     _legend_below(f1, 3)
     f2 = _figure("Where vOPD lowers the variance", f"vocabulary size V  ({p0['draws']} random pairs each)", "share",
                  x_axis_type="log", y_range=(0, 1.6))
-    f2.line("x", "y", source=frac, line_width=2, color=PALETTE[1], legend_label="vOPD helps")
-    f2.line("x", "r", source=frac, line_width=2, color=PALETTE[0], line_dash="dashed",
+    f2.line("x", "y", source=frac, line_width=2, color=estimator_color("vopd"), legend_label="vOPD helps")
+    f2.line("x", "r", source=frac, line_width=2, color="#444", line_dash="dashed",
             legend_label="median Var(vOPD)/Var(OPD)")
     f2.add_layout(models.Span(location=0.5, dimension="width", line_color="#bbb"))
     f2.add_layout(here)

@@ -2,7 +2,9 @@
 
 Figures are ``matplotlib.figure.Figure`` objects (no pyplot state). ``show(fig, alt)`` displays one as a PNG at
 150 dpi with its alt text: the bundle carries ``image/png`` (galleries, thumbnails) and ``text/html`` with an
-``<img alt=...>`` (JupyterLab and the HTML export prefer it), so the alt text travels with the picture.
+``<img alt=...>`` (JupyterLab and the HTML export prefer it), so the alt text travels with the picture. A series
+that is an estimator (``ppo_clip``, ``vopd``, ...) takes the lab's colour for it (``lab.reports.style.color``), the
+same in every report; other series (settings, samplers, kernels) take ``COLORS`` in order.
 """
 from __future__ import annotations
 
@@ -14,8 +16,11 @@ import numpy as np
 import pandas as pd
 from matplotlib.figure import Figure
 
+from lab.reports.style import color
+
 DPI = 150
 COLORS = ("#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#17becf", "#7f7f7f")
+MU, TARGET = "#333333", "#b8860b"  # the behaviour policy mu and a target (pi, pi*) drawn beside an estimator's series
 
 
 def png_bytes(fig: Figure, dpi: int = DPI, tight: bool = True) -> bytes:
@@ -100,9 +105,9 @@ def coefficient_curves(methods, coefficient_fn, labels: dict) -> Figure:
     fig, axes = _fig(2, width=4.8, height=3.4)
     rho = np.exp(np.linspace(np.log(0.1), np.log(10.0), 400))
     for ax, sign in zip(axes, (1.0, -1.0)):
-        for i, m in enumerate(methods):
-            ax.plot(rho, coefficient_fn(m, rho, np.full_like(rho, sign)), color=COLORS[i % len(COLORS)], lw=2,
-                    label=labels[m], alpha=0.85)
+        for m in methods:
+            ax.plot(rho, coefficient_fn(m, rho, np.full_like(rho, sign)), color=color(m), lw=2, label=labels[m],
+                    alpha=0.85)
         ax.set(xscale="log", xlabel="rho = pi(y) / mu(y)", ylabel="coefficient c(rho, A)", ylim=(-0.1, 6),
                title=f"A {'>' if sign > 0 else '<'} 0")
     axes[0].legend(fontsize=7)
@@ -110,10 +115,11 @@ def coefficient_curves(methods, coefficient_fn, labels: dict) -> Figure:
 
 
 def token_panels(table: pd.DataFrame, methods, labels: dict) -> Figure:
-    """One panel per method: every token at (log rho, A), size ~ mu, coloured kept / reweighted / dropped."""
+    """One panel per method: every token at (log rho, A), size ~ mu, coloured kept / reweighted / dropped; each
+    panel's legend (the share of mu in each group) sits under it, off the data."""
     n = len(methods)
     ncols = 3
-    fig, axes = _fig(ncols, (n + ncols - 1) // ncols, width=3.6, height=3.0)
+    fig, axes = _fig(ncols, (n + ncols - 1) // ncols, width=3.6, height=3.6)
     x = np.log(table["rho"].to_numpy())
     size = 4 + 300 * table["mu"].to_numpy()
     for ax, m in zip(axes, methods):
@@ -126,7 +132,10 @@ def token_panels(table: pd.DataFrame, methods, labels: dict) -> Figure:
         ax.axvline(0, color="k", lw=0.5)
         ax.axhline(0, color="k", lw=0.5)
         ax.set(title=labels[m], xlabel="log rho", ylabel="advantage A")
-        ax.legend(fontsize=6, loc="lower left")
+        legend = ax.legend(fontsize=6, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncols=3, frameon=False,
+                           handletextpad=0.2, columnspacing=0.8)
+        for handle in legend.legend_handles:
+            handle.set_sizes([16])
     for ax in axes[n:]:
         ax.set_visible(False)
     return fig
@@ -138,8 +147,8 @@ def losses_against_kl(table: pd.DataFrame, labels: dict) -> Figure:
     panels = (("zeroed", "mu-probability of dropped tokens"), ("mass_lost", "share of IS weight mass removed"),
               ("cos", "cos(expected update, grad J)"), ("lost_across", "lost vector across grad J / |grad J|"))
     for ax, (metric, title) in zip(axes, panels):
-        for i, (m, g) in enumerate(table[table.metric == metric].groupby("method", sort=False)):
-            ax.plot(g.kl_target, g.value, color=COLORS[i % len(COLORS)], lw=2, label=labels[m])
+        for m, g in table[table.metric == metric].groupby("method", sort=False):
+            ax.plot(g.kl_target, g.value, color=color(m), lw=2, label=labels[m])
         ax.set(xlabel="per-token KL(mu || pi)", title=title)
     axes[0].legend(fontsize=7)
     return fig
@@ -278,8 +287,8 @@ def _parabola(ax, baselines, variance, moments: dict, title: str) -> None:
     ax.plot(baselines, variance, color="0.3", lw=2)
     lo, hi = sorted((0.0, 2 * moments["b_star"]))
     ax.axvspan(lo, hi, color=COLORS[2], alpha=0.15, label="b lowers the variance")
-    for b, v, c, label in ((0.0, moments["var_opd"], COLORS[0], "OPD, b = 0"),
-                           (moments["value"], moments["var_vopd"], COLORS[1], "vOPD, b = V = -KL"),
+    for b, v, c, label in ((0.0, moments["var_opd"], color("opd"), "OPD, b = 0"),
+                           (moments["value"], moments["var_vopd"], color("vopd"), "vOPD, b = V = -KL"),
                            (moments["b_star"], moments["var_best"], COLORS[2], "best constant b*")):
         ax.plot([b], [v], "o", ms=8, color=c, label=label)
     ax.set(xlabel="baseline b", ylabel="Var (trace of the covariance)", title=title)
