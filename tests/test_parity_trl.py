@@ -120,12 +120,15 @@ def test_estimator_equals_trl_grpo_loss(loss_type, trl, name, mode, hyper):
     assert float((ours[1] - theirs[1]).abs().max()) <= TOL, loss_type
 
 
-@pytest.mark.parametrize("vllm_mode,name,hyper", [
+VLLM_CASES = [
     ("sequence_mask", "mis_seq", {"lower": 0.0, "upper": 3.0}),  # TRL's default correction
     ("token_mask", "mis_token", {"lower": 0.0, "upper": 3.0}),
     ("token_truncate", "tis_token", {"cap": 3.0}),
     ("sequence_truncate", "tis_seq", {"cap": 3.0}),
-])
+]
+
+
+@pytest.mark.parametrize("vllm_mode,name,hyper", VLLM_CASES)
 def test_three_policy_corrections_equal_trl_vllm_importance_sampling(vllm_mode, name, hyper):
     # TRL's default loss (dapo: PPO clip 0.2 / 0.28, no dual clip, token mean) times its vLLM IS ratio
     theirs = both(lambda x: trl_loss(x, "dapo", eps_high=0.28, vllm=vllm_ratio(vllm_mode)))

@@ -18,7 +18,8 @@ grpo = pytest.importorskip("trl.trainer.grpo_trainer", reason="trl is not import
                                                               "trl==1.16.0 && pip install datasets")
 from trl import GRPOConfig  # noqa: E402
 
-from test_parity_trl import ADV, B, CASES, MASK, OLD, SAMPLER, T, TOL, both, lab, vllm_ratio  # noqa: E402
+from test_parity_trl import (ADV, B, CASES, MASK, OLD, SAMPLER, T, TOL, VLLM_CASES, both, lab,  # noqa: E402
+                              vllm_ratio)
 
 DEFAULTS = {f.name: f.default for f in dataclasses.fields(GRPOConfig) if f.default is not dataclasses.MISSING}
 
@@ -57,12 +58,7 @@ def test_estimator_equals_trl_own_compute_loss(loss_type, trl, name, mode, hyper
     assert float((ours[1] - theirs[1]).abs().max()) <= TOL, loss_type
 
 
-@pytest.mark.parametrize("vllm_mode,name,hyper", [
-    ("sequence_mask", "mis_seq", {"lower": 0.0, "upper": 3.0}),
-    ("token_mask", "mis_token", {"lower": 0.0, "upper": 3.0}),
-    ("token_truncate", "tis_token", {"cap": 3.0}),
-    ("sequence_truncate", "tis_seq", {"cap": 3.0}),
-])
+@pytest.mark.parametrize("vllm_mode,name,hyper", VLLM_CASES)
 def test_three_policy_corrections_equal_trl_own_loss_with_its_vllm_ratio(vllm_mode, name, hyper):
     theirs = both(lambda x: trl_code_loss(x, "dapo", eps_high=0.28, vllm=vllm_ratio(vllm_mode)))
     ours = lab(name, "token-mean", rollout_log_probs=SAMPLER, clip_ratio_high=0.28, clip_ratio_c=None, **hyper)
