@@ -180,100 +180,180 @@ def _growth(absL: np.ndarray, alive: np.ndarray, counts: np.ndarray) -> dict:
             "slope": (float(s0), sb), "exponent": (float(e0), eb)}
 
 
-def summarize(d: Draw, n_boot: int = 1000, ci: float = 0.95, seed: int = 0) -> tuple[dict, list[dict]]:
-    """(summary {metric: [value, lo, hi]}, curve rows) of one draw; see the module doc for every metric."""
+@dataclass
+class _Batch:
+    """A draw's per-token arrays in float64 ([N, T], masked) and the bootstrap counts shared by every metric."""
+
+    m: np.ndarray  # response mask
+    delta: np.ndarray  # masked delta_t
+    p_t: np.ndarray  # trainer probability of the sampled token
+    p_s: np.ndarray  # sampler probability of the sampled token
+    counts: np.ndarray  # [B, N] sequences resampled together with their tokens
+    ci: float
+    n_q: int  # resamples of the quantile and correlation intervals (each sorts every token)
+
+    @property
+    def absd(self) -> np.ndarray:
+        return np.abs(self.delta)
+
+    @property
+    def N(self) -> int:
+        return self.m.shape[0]
+
+    @property
+    def n_tok(self) -> np.ndarray:
+        """[N] real tokens per sequence."""
+        return self.m.sum(1)
+
+    @property
+    def seq_id(self) -> np.ndarray:
+        """The sequence of every real token, in row-major order."""
+        return np.nonzero(self.m > 0)[0]
+
+    def per_seq(self, x: np.ndarray) -> np.ndarray:
+        """sum_t m_t x_t per sequence."""
+        return (x * self.m).sum(1)
+
+    def interval(self, point, boot) -> list:
+        """[point, lo, hi] with the percentile interval of the bootstrap replicates ``boot``."""
+        return [float(point), *stats.percentile_interval(boot, self.ci)]
+
+    def ratio(self, num_seq: np.ndarray, den_seq: np.ndarray) -> list:
+        """sum_n num_n / sum_n den_n over sequences, with its bootstrap interval."""
+        v = num_seq.sum() / den_seq.sum() if den_seq.sum() > 0 else math.nan
+        b = (self.counts @ num_seq) / np.where(self.counts @ den_seq > 0, self.counts @ den_seq, np.nan)
+        return self.interval(v, b)
+
+
+def _batch(d: Draw, n_boot: int, ci: float, seed: int) -> _Batch:
+    """The draw's arrays, checked to hold a real token, with ``n_boot`` bootstrap resamples drawn from ``seed``."""
     m = d.mask.double().numpy()
     delta = d.delta.double().numpy()
-    absd = np.abs(delta)
     p_t = np.exp(d.trainer.double().numpy())
     p_s = np.exp(d.sampler.double().numpy())
-    N, T = m.shape
     if m.sum() == 0:
         raise LabError(f"setting {d.setting!r}: no response has a real token; raise the response length")
     rng = np.random.default_rng(seed)
-    counts = stats.bootstrap_counts(N, n_boot, rng)  # [B, N] sequences resampled together with their tokens
-    n_tok = m.sum(1)  # [N]
+    counts = stats.bootstrap_counts(m.shape[0], n_boot, rng)
+    return _Batch(m, delta, p_t, p_s, counts, ci, min(n_boot, 200))
 
-    def ratio(num_seq, den_seq):  # sum over sequences of num / sum of den, with its bootstrap interval
-        v = num_seq.sum() / den_seq.sum() if den_seq.sum() > 0 else math.nan
-        b = (counts @ num_seq) / np.where(counts @ den_seq > 0, counts @ den_seq, np.nan)
-        return [float(v), *stats.percentile_interval(b, ci)]
 
-    def per_seq(x):
-        return (x * m).sum(1)
+def _k3(delta: np.ndarray) -> np.ndarray:
+    """k3 = rho - 1 - log rho with log rho = -delta clipped to [-20, 20] (verl's bound on log-ratios)."""
+    log_rho = np.clip(-delta, -20, 20)
+    return np.expm1(log_rho) - log_rho
 
-    out = {"tokens": [float(m.sum())] * 3, "sequences": [float(N)] * 3,
-           "mean_length": ratio(n_tok, np.ones(N)),
-           "abs_mean": ratio(per_seq(absd), n_tok), "signed_mean": ratio(per_seq(delta), n_tok),
-           "rms": [math.sqrt(x) if x == x else x for x in ratio(per_seq(delta**2), n_tok)]}
-    flat, wflat = absd[m > 0], np.ones(int(m.sum()))
+
+def _size_and_mean(x: _Batch) -> dict:
+    """Counts, mean length, and mean |delta|, signed mean and RMS of delta per real token."""
+    N, n_tok = x.N, x.n_tok
+    rms = x.ratio(x.per_seq(x.delta**2), n_tok)
+    return {"tokens": [float(x.m.sum())] * 3, "sequences": [float(N)] * 3,
+            "mean_length": x.ratio(n_tok, np.ones(N)),
+            "abs_mean": x.ratio(x.per_seq(x.absd), n_tok), "signed_mean": x.ratio(x.per_seq(x.delta), n_tok),
+            "rms": [math.sqrt(v) if v == v else v for v in rms]}
+
+
+def _quantiles(x: _Batch) -> dict:
+    """Quantiles 50 / 90 / 99 of |delta| over real tokens (intervals from ``n_q`` resamples) and its max."""
+    flat, wflat = x.absd[x.m > 0], np.ones(int(x.m.sum()))
     qs = (0.5, 0.9, 0.99)
     point_q = _weighted_quantile(flat, wflat, qs)
-    seq_id = np.nonzero(m > 0)[0]  # the sequence of every token of ``flat`` (row-major order)
-    n_q = min(n_boot, 200)  # quantile intervals: fewer resamples (each sorts every token)
-    boot_q = np.array([_weighted_quantile(flat, counts[b][seq_id], qs) for b in range(n_q)])
-    for i, q in enumerate(qs):
-        out[f"abs_q{int(q * 100)}"] = [float(point_q[i]), *stats.percentile_interval(boot_q[:, i], ci)]
+    seq_id = x.seq_id
+    boot_q = np.array([_weighted_quantile(flat, x.counts[b][seq_id], qs) for b in range(x.n_q)])
+    out = {f"abs_q{int(q * 100)}": x.interval(point_q[i], boot_q[:, i]) for i, q in enumerate(qs)}
     out["abs_max"] = [float(flat.max())] * 3
-    # by trainer probability
-    bins = np.digitize(p_t, PROB_BINS[1:-1])  # 0..3
+    return out
+
+
+def _by_probability(x: _Batch) -> dict:
+    """Per trainer-probability bin: mean |delta|, share of tokens, share of total |delta|; then ``low_high_ratio``."""
+    m, absd, n_tok = x.m, x.absd, x.n_tok
+    bins = np.digitize(x.p_t, PROB_BINS[1:-1])  # 0..3
+    out = {}
     for k, name in enumerate(PROB_BIN_NAMES):
         inbin = (bins == k) * m
-        out[f"abs_mean[{name}]"] = ratio((absd * inbin).sum(1), inbin.sum(1))
-        out[f"token_share[{name}]"] = ratio(inbin.sum(1), n_tok)
-        out[f"abs_share[{name}]"] = ratio((absd * inbin).sum(1), per_seq(absd))
-    lo, hi = (bins == 0) * m, (bins == 3) * m
+        out[f"abs_mean[{name}]"] = x.ratio((absd * inbin).sum(1), inbin.sum(1))
+        out[f"token_share[{name}]"] = x.ratio(inbin.sum(1), n_tok)
+        out[f"abs_share[{name}]"] = x.ratio((absd * inbin).sum(1), x.per_seq(absd))
+    out["low_high_ratio"] = _low_high_ratio(x, bins, out[f"abs_mean[{PROB_BIN_NAMES[0]}]"][0],
+                                            out[f"abs_mean[{PROB_BIN_NAMES[3]}]"][0])
+    return out
+
+
+def _low_high_ratio(x: _Batch, bins: np.ndarray, low: float, high: float) -> list:
+    """mean |delta| on p < 0.1 over mean |delta| on p > 0.9 (``low`` / ``high``), with its bootstrap interval."""
+    counts, absd = x.counts, x.absd
+    lo, hi = (bins == 0) * x.m, (bins == 3) * x.m
     num = (counts @ (absd * lo).sum(1)) / np.maximum(counts @ lo.sum(1), 1e-300)
     den = (counts @ (absd * hi).sum(1)) / np.maximum(counts @ hi.sum(1), 1e-300)
-    point = (out[f"abs_mean[{PROB_BIN_NAMES[0]}]"][0] / out[f"abs_mean[{PROB_BIN_NAMES[3]}]"][0]
-             if lo.sum() > 0 and hi.sum() > 0 and out[f"abs_mean[{PROB_BIN_NAMES[3]}]"][0] > 0 else math.nan)
+    point = low / high if lo.sum() > 0 and hi.sum() > 0 and high > 0 else math.nan
     boot_r = np.where((counts @ lo.sum(1) > 0) & (den > 0), num / np.where(den > 0, den, 1.0), np.nan)
-    out["low_high_ratio"] = [float(point), *stats.percentile_interval(boot_r, ci)]
-    # how often the usual corrections act on this mismatch (rho_t = p_trainer / p_sampler = exp(-delta_t))
-    rho = np.exp(np.clip(-delta, -20, 20))
-    out["tis_truncated"] = ratio(per_seq((rho > 2.0).astype(float)), n_tok)  # TIS, C = 2
-    out["icepop_masked"] = ratio(per_seq(((rho < 0.5) | (rho > 5.0)).astype(float)), n_tok)  # IcePop [0.5, 5]
-    W = np.exp(np.clip(-delta.sum(1), -20, 20))
-    out["seq_mis_masked"] = ratio(((W < 0.5) | (W > 2.0)).astype(float), np.ones(N))  # sequence MIS [0.5, 2]
-    # KL (k3) and probability correlation
-    log_rho = np.clip(-delta, -20, 20)  # verl's bound on log-ratios
-    k3 = np.expm1(log_rho) - log_rho
-    out["kl_k3"] = ratio(per_seq(k3), n_tok)
-    sel = m > 0
-    out["prob_corr"] = [_corr(p_s[sel], p_t[sel])] * 3
-    corr_b = [_corr(p_s[sel], p_t[sel], counts[b][seq_id]) for b in range(n_q)]
-    out["prob_corr"][1:] = list(stats.percentile_interval(np.array(corr_b), ci))
-    # the sequence log-weight and its growth with length
-    L = np.cumsum(delta, axis=1)  # L_t after t tokens (masked deltas are 0)
-    alive = m > 0
-    g = _growth(np.abs(L), alive, counts)
-    out["seq_abs_L"] = ratio(np.abs(L[:, -1]), np.ones(N))
-    out["seq_L"] = ratio(L[:, -1], np.ones(N))
-    out["seq_var_ratio"] = ratio(L[:, -1] ** 2, per_seq(delta**2))
-    out["growth_rate"] = [g["slope"][0], *stats.percentile_interval(g["slope"][1], ci)]
-    out["growth_exponent"] = [g["exponent"][0], *stats.percentile_interval(g["exponent"][1], ci)]
+    return x.interval(point, boot_r)
+
+
+def _correction_rates(x: _Batch) -> dict:
+    """How often the usual corrections act, rho_t = exp(-delta_t): token share with rho > 2 (TIS, C = 2), outside
+    [0.5, 5] (IcePop), and sequence share with exp(-L) outside [0.5, 2] (sequence MIS)."""
+    rho = np.exp(np.clip(-x.delta, -20, 20))
+    W = np.exp(np.clip(-x.delta.sum(1), -20, 20))
+    return {"tis_truncated": x.ratio(x.per_seq((rho > 2.0).astype(float)), x.n_tok),
+            "icepop_masked": x.ratio(x.per_seq(((rho < 0.5) | (rho > 5.0)).astype(float)), x.n_tok),
+            "seq_mis_masked": x.ratio(((W < 0.5) | (W > 2.0)).astype(float), np.ones(x.N))}
+
+
+def _kl_and_correlation(x: _Batch) -> dict:
+    """KL(sampler || trainer) per token as mean_t k3, and the Pearson correlation of p_sampler and p_trainer."""
+    sel = x.m > 0
+    seq_id = x.seq_id
+    corr_b = [_corr(x.p_s[sel], x.p_t[sel], x.counts[b][seq_id]) for b in range(x.n_q)]
+    return {"kl_k3": x.ratio(x.per_seq(_k3(x.delta)), x.n_tok),
+            "prob_corr": x.interval(_corr(x.p_s[sel], x.p_t[sel]), np.array(corr_b))}
+
+
+def _sequence_weight(x: _Batch, L: np.ndarray, g: dict, abs_mean: list) -> dict:
+    """The sequence log-weight L = sum_t delta_t and its growth: |L|, L, seq_var_ratio = sum L^2 / sum delta^2,
+    growth rate and exponent of mean |L_t|, and mean |L_t| at the reference length beside mean |delta| x t."""
+    N, T = x.m.shape
+    out = {"seq_abs_L": x.ratio(np.abs(L[:, -1]), np.ones(N)), "seq_L": x.ratio(L[:, -1], np.ones(N)),
+           "seq_var_ratio": x.ratio(L[:, -1] ** 2, x.per_seq(x.delta**2)),
+           "growth_rate": x.interval(g["slope"][0], g["slope"][1]),
+           "growth_exponent": x.interval(g["exponent"][0], g["exponent"][1])}
     t_ref = min(REFERENCE_LENGTH, int(np.nonzero(g["keep"])[0].max()) + 1 if g["keep"].any() else T)
-    out["abs_L_ref"] = [float(g["curve"][t_ref - 1]),
-                        *stats.percentile_interval(g["curve_boot"][:, t_ref - 1], ci)]
+    out["abs_L_ref"] = x.interval(g["curve"][t_ref - 1], g["curve_boot"][:, t_ref - 1])
     out["ref_length"] = [float(t_ref)] * 3
-    out["linear_prediction_ref"] = [v * t_ref for v in out["abs_mean"]]
-    # routing (MoE)
-    if d.route_diff is not None:
-        rd = d.route_diff.double().numpy()  # [N, layers, T]
-        layers = rd.shape[1]
-        out["route_disagreement"] = ratio((rd * m[:, None]).sum((1, 2)), n_tok * layers)
-        delta_r = (d.sampler - d.trainer_replay).double().numpy() * m
-        log_rho_r = np.clip(-delta_r, -20, 20)
-        out["kl_k3_replay"] = ratio(per_seq(np.expm1(log_rho_r) - log_rho_r), n_tok)
-        out["abs_mean_replay"] = ratio(per_seq(np.abs(delta_r)), n_tok)
-        for key, free, rep in (("replay_kl_reduction", per_seq(k3), per_seq(np.expm1(log_rho_r) - log_rho_r)),
-                               ("replay_abs_reduction", per_seq(absd), per_seq(np.abs(delta_r)))):
-            v = 1 - rep.sum() / free.sum() if free.sum() > 0 else math.nan
-            b = 1 - (counts @ rep) / np.where(counts @ free > 0, counts @ free, np.nan)
-            out[key] = [float(v), *stats.percentile_interval(b, ci)]
-        out["abs_L_replay"] = ratio(np.abs(delta_r.sum(1)), np.ones(N))
-    curves = _curve_rows(absd, p_t, m, counts, ci, g)
-    return out, curves
+    out["linear_prediction_ref"] = [v * t_ref for v in abs_mean]
+    return out
+
+
+def _routing(d: Draw, x: _Batch) -> dict:
+    """MoE routing: share of (token, layer) decisions whose expert set differs, and KL, |delta| and |L| with the
+    sampler's routes replayed; ``replay_*_reduction`` = 1 - replay / free."""
+    rd = d.route_diff.double().numpy()  # [N, layers, T]
+    delta_r = (d.sampler - d.trainer_replay).double().numpy() * x.m
+    k3_r, abs_r = x.per_seq(_k3(delta_r)), x.per_seq(np.abs(delta_r))
+    out = {"route_disagreement": x.ratio((rd * x.m[:, None]).sum((1, 2)), x.n_tok * rd.shape[1]),
+           "kl_k3_replay": x.ratio(k3_r, x.n_tok), "abs_mean_replay": x.ratio(abs_r, x.n_tok)}
+    for key, free, rep in (("replay_kl_reduction", x.per_seq(_k3(x.delta)), k3_r),
+                           ("replay_abs_reduction", x.per_seq(x.absd), abs_r)):
+        v = 1 - rep.sum() / free.sum() if free.sum() > 0 else math.nan
+        b = 1 - (x.counts @ rep) / np.where(x.counts @ free > 0, x.counts @ free, np.nan)
+        out[key] = x.interval(v, b)
+    out["abs_L_replay"] = x.ratio(np.abs(delta_r.sum(1)), np.ones(x.N))
+    return out
+
+
+def summarize(d: Draw, n_boot: int = 1000, ci: float = 0.95, seed: int = 0) -> tuple[dict, list[dict]]:
+    """(summary {metric: [value, lo, hi]}, curve rows) of one draw; see the module doc for every metric."""
+    x = _batch(d, n_boot, ci, seed)
+    L = np.cumsum(x.delta, axis=1)  # L_t after t tokens (masked deltas are 0)
+    g = _growth(np.abs(L), x.m > 0, x.counts)
+    out = {**_size_and_mean(x), **_quantiles(x), **_by_probability(x), **_correction_rates(x),
+           **_kl_and_correlation(x)}
+    out.update(_sequence_weight(x, L, g, out["abs_mean"]))
+    if d.route_diff is not None:  # MoE
+        out.update(_routing(d, x))
+    return out, _curve_rows(x.absd, x.p_t, x.m, x.counts, ci, g)
 
 
 def _corr(x: np.ndarray, y: np.ndarray, w: np.ndarray | None = None) -> float:

@@ -163,12 +163,22 @@ def answer(summary: dict) -> str:
     """Markdown: how large the train/inference mismatch is, per token and per sequence, beside practitioners'
     figures, with the places where the lab's measurement differs said plainly."""
     ref = summary["practitioners"]
-    lo_ref, hi_ref = ref["abs_delta_range"]["value"]
     lines = _setup(summary)
     lines += ["", "**Per-token mismatch** Δ = log p_sampler − log p_trainer on the sampled tokens "
                   "(brackets: 95% bootstrap intervals over sequences):", ""]
     lines += _table_rows(summary)
     lines += ["", "**Beside the practitioners' figures.**", ""]
+    lines += _per_token_bullets(summary, ref)
+    lines += _target_bullets(summary, ref)
+    notes = [_moe_bullet(summary, ref), _kv_note(summary), _corrections_note(summary)]
+    lines += [note for note in notes if note]
+    return "\n".join(lines)
+
+
+def _per_token_bullets(summary: dict, ref: dict) -> list[str]:
+    """One bullet per model with a bf16 setting: its mean |Δ| against the practitioners' range."""
+    lo_ref, hi_ref = ref["abs_delta_range"]["value"]
+    lines = []
     for name, info in summary["models"].items():
         s = _bf16(info)
         if s is None:
@@ -179,73 +189,97 @@ def answer(summary: dict) -> str:
         lines.append(f"- **Per token ({name}, `{s}`)**: mean |Δ| {_iv(e, 'abs_mean')}, {where} the "
                      f"{lo_ref}-{hi_ref} practitioners report for a bf16 engine against its trainer"
                      + ("." if where == "inside" else _why_off(info, where)))
+    return lines
+
+
+def _target_bullets(summary: dict, ref: dict) -> list[str]:
+    """The bullets on the pretrained LM (else the first model) in its bf16 setting: per sequence, low-probability
+    tokens, and the fp32 output head where measured."""
     lm_name, lm = _lm(summary)
     target = lm if lm is not None else next(iter(summary["models"].values()))
     t_name = lm_name if lm is not None else next(iter(summary["models"]))
     s = _bf16(target)
-    if s:
-        e = target["settings"][s]
-        n = _v(e, "ref_length")
-        lin, meas = _v(e, "linear_prediction_ref"), _v(e, "abs_L_ref")
-        exp_ = _triple(e, "growth_exponent")
-        if not meas > 0:
-            verdict = "the sequence log-weight does not grow"
-        elif exp_[1] > 0.85:
-            verdict = "the deltas add up almost linearly, as the rule assumes"
-        else:
-            vr = _triple(e, "seq_var_ratio")
-            how = ("partly cancel one another, more than independent deltas would" if vr[2] < 1 else
-                   "drift with one sign, yet not enough to add up linearly" if vr[1] > 1 else
-                   "behave like independent deltas of random sign")
-            verdict = (f"the deltas do not add up (a random walk grows with exponent 0.5, linear accumulation with "
-                       f"1), so |Δ| × length overstates the sequence log-weight {lin / meas:.1f}-fold. Within a "
-                       f"response they {how}: Σ_n (log w_n)² is {_iv(e, 'seq_var_ratio', '{:.2g}')} times "
-                       f"Σ_n Σ_t Δ²_nt (1 for uncorrelated deltas)")
-        lines.append(f"- **Per sequence ({t_name}, `{s}`)**: the practitioners' rule (0.012 × 100 tokens gives a "
-                     f"sequence ratio near exp({ref['seq_log_ratio_100']['value']})) multiplies the per-token |Δ| by "
-                     f"the length. Measured: mean |log w| after {n:.0f} tokens "
-                     f"{_iv(e, 'abs_L_ref', '{:.2g}')} against {lin:.2g} from |Δ| × {n:.0f}; mean |log w| grows "
-                     f"{_iv(e, 'growth_rate', '{:.2g}')} nats per token with exponent "
-                     f"{_iv(e, 'growth_exponent', '{:.2f}')} in the length: {verdict}.")
-        share_tok, share_abs = _v(e, "token_share[p<0.1]"), _v(e, "abs_share[p<0.1]")
-        ratio = _triple(e, "low_high_ratio")
-        claim = ("holds per token" if ratio[1] > 1 else "is not resolved per token")
-        lines.append(f"- **Low-probability tokens ({t_name})**: mean |Δ| on tokens the trainer gives p < 0.1 is "
-                     f"{_iv(e, 'low_high_ratio', '{:.2g}')} times that on p > 0.9 tokens: the claim {claim}. They "
-                     f"are {share_tok:.0%} of the sampled tokens and carry {share_abs:.0%} of the total |Δ|"
-                     + (": most of the mismatch." if share_abs > 0.5 else
-                        ", not most of it: at temperature 1 most sampled tokens are likely ones, and their small "
-                        "deltas add up."))
-        if "bf16+kv+head32" in target["settings"] and "bf16+kv" in target["settings"]:
-            h, b = target["settings"]["bf16+kv+head32"], target["settings"]["bf16+kv"]
-            lo_c, hi_c = ref["prob_corr"]["value"]
-            lines.append(f"- **fp32 output head ({t_name})**: probability correlation {_v(b, 'prob_corr'):.4f} "
-                         f"with the bf16 head and {_v(h, 'prob_corr'):.4f} with an fp32 head (MiniMax-M1: {lo_c} → "
-                         f"{hi_c}); mean |Δ| {_v(b, 'abs_mean'):.3g} → {_v(h, 'abs_mean'):.3g}. "
-                         + ("The correlation here starts far above MiniMax's 0.9: their engines differ in more than "
-                            "the head's precision (kernels, a 456B MoE), ours only in the weights' dtype."
-                            if _v(b, "prob_corr") > 0.95 else ""))
+    if not s:
+        return []
+    e = target["settings"][s]
+    lines = [_sequence_bullet(t_name, s, e, ref), _low_prob_bullet(t_name, e)]
+    if "bf16+kv+head32" in target["settings"] and "bf16+kv" in target["settings"]:
+        lines.append(_head32_bullet(t_name, target["settings"], ref))
+    return lines
+
+
+def _growth_verdict(e: dict, lin: float, meas: float) -> str:
+    """Whether the deltas add up: linear when the growth exponent's lower bound exceeds 0.85; else how they
+    correlate within a response, from seq_var_ratio = Σ_n (log w_n)² / Σ_n Σ_t Δ²_nt."""
+    exponent = _triple(e, "growth_exponent")
+    if not meas > 0:
+        return "the sequence log-weight does not grow"
+    if exponent[1] > 0.85:
+        return "the deltas add up almost linearly, as the rule assumes"
+    vr = _triple(e, "seq_var_ratio")
+    how = ("partly cancel one another, more than independent deltas would" if vr[2] < 1 else
+           "drift with one sign, yet not enough to add up linearly" if vr[1] > 1 else
+           "behave like independent deltas of random sign")
+    return (f"the deltas do not add up (a random walk grows with exponent 0.5, linear accumulation with "
+            f"1), so |Δ| × length overstates the sequence log-weight {lin / meas:.1f}-fold. Within a "
+            f"response they {how}: Σ_n (log w_n)² is {_iv(e, 'seq_var_ratio', '{:.2g}')} times "
+            f"Σ_n Σ_t Δ²_nt (1 for uncorrelated deltas)")
+
+
+def _sequence_bullet(t_name: str, s: str, e: dict, ref: dict) -> str:
+    """Per sequence: mean |log w| at the reference length n against the linear rule |Δ| × n."""
+    n = _v(e, "ref_length")
+    lin, meas = _v(e, "linear_prediction_ref"), _v(e, "abs_L_ref")
+    verdict = _growth_verdict(e, lin, meas)
+    return (f"- **Per sequence ({t_name}, `{s}`)**: the practitioners' rule (0.012 × 100 tokens gives a "
+            f"sequence ratio near exp({ref['seq_log_ratio_100']['value']})) multiplies the per-token |Δ| by "
+            f"the length. Measured: mean |log w| after {n:.0f} tokens "
+            f"{_iv(e, 'abs_L_ref', '{:.2g}')} against {lin:.2g} from |Δ| × {n:.0f}; mean |log w| grows "
+            f"{_iv(e, 'growth_rate', '{:.2g}')} nats per token with exponent "
+            f"{_iv(e, 'growth_exponent', '{:.2f}')} in the length: {verdict}.")
+
+
+def _low_prob_bullet(t_name: str, e: dict) -> str:
+    """Low-probability tokens: mean |Δ| on p < 0.1 over p > 0.9, and their shares of tokens and of total |Δ|."""
+    share_tok, share_abs = _v(e, "token_share[p<0.1]"), _v(e, "abs_share[p<0.1]")
+    ratio = _triple(e, "low_high_ratio")
+    claim = ("holds per token" if ratio[1] > 1 else "is not resolved per token")
+    return (f"- **Low-probability tokens ({t_name})**: mean |Δ| on tokens the trainer gives p < 0.1 is "
+            f"{_iv(e, 'low_high_ratio', '{:.2g}')} times that on p > 0.9 tokens: the claim {claim}. They "
+            f"are {share_tok:.0%} of the sampled tokens and carry {share_abs:.0%} of the total |Δ|"
+            + (": most of the mismatch." if share_abs > 0.5 else
+               ", not most of it: at temperature 1 most sampled tokens are likely ones, and their small "
+               "deltas add up."))
+
+
+def _head32_bullet(t_name: str, settings: dict, ref: dict) -> str:
+    """fp32 output head: probability correlation and mean |Δ| of bf16+kv against bf16+kv+head32."""
+    h, b = settings["bf16+kv+head32"], settings["bf16+kv"]
+    lo_c, hi_c = ref["prob_corr"]["value"]
+    return (f"- **fp32 output head ({t_name})**: probability correlation {_v(b, 'prob_corr'):.4f} "
+            f"with the bf16 head and {_v(h, 'prob_corr'):.4f} with an fp32 head (MiniMax-M1: {lo_c} → "
+            f"{hi_c}); mean |Δ| {_v(b, 'abs_mean'):.3g} → {_v(h, 'abs_mean'):.3g}. "
+            + ("The correlation here starts far above MiniMax's 0.9: their engines differ in more than "
+               "the head's precision (kernels, a 456B MoE), ours only in the weights' dtype."
+               if _v(b, "prob_corr") > 0.95 else ""))
+
+
+def _moe_bullet(summary: dict, ref: dict) -> str | None:
+    """MoE routing: share of routing decisions that differ, and replay's KL reduction 1 - KL_replay / KL_free."""
     mname, moe = _moe(summary)
-    if moe is not None:
-        ms = _bf16(moe)
-        if ms:
-            m = moe["settings"][ms]
-            d_ref, r_ref = ref["moe_route_disagreement"]["value"], ref["replay_kl_reduction"]["value"]
-            red = _v(m, "replay_kl_reduction")
-            lines.append(f"- **MoE routing ({mname}, `{ms}`)**: {_iv(m, 'route_disagreement', '{:.2%}')} of "
-                         f"(token, layer) routing decisions differ from the trainer's (practitioners: about "
-                         f"{d_ref:.0%}). Replaying the sampler's routes in the trainer "
-                         f"{'reduces' if red >= 0 else 'raises'} the KL by {abs(red):.0%} (reduction "
-                         f"{_iv(m, 'replay_kl_reduction', '{:.0%}')}; R3 reports about {r_ref:.0%}) and moves mean "
-                         f"|Δ| from {_v(m, 'abs_mean'):.3g} to {_v(m, 'abs_mean_replay'):.3g}."
-                         + _moe_note(m, d_ref, r_ref))
-    kv = _kv_note(summary)
-    if kv:
-        lines.append(kv)
-    corr = _corrections_note(summary)
-    if corr:
-        lines.append(corr)
-    return "\n".join(lines)
+    ms = _bf16(moe) if moe is not None else None
+    if not ms:
+        return None
+    m = moe["settings"][ms]
+    d_ref, r_ref = ref["moe_route_disagreement"]["value"], ref["replay_kl_reduction"]["value"]
+    red = _v(m, "replay_kl_reduction")
+    return (f"- **MoE routing ({mname}, `{ms}`)**: {_iv(m, 'route_disagreement', '{:.2%}')} of "
+            f"(token, layer) routing decisions differ from the trainer's (practitioners: about "
+            f"{d_ref:.0%}). Replaying the sampler's routes in the trainer "
+            f"{'reduces' if red >= 0 else 'raises'} the KL by {abs(red):.0%} (reduction "
+            f"{_iv(m, 'replay_kl_reduction', '{:.0%}')}; R3 reports about {r_ref:.0%}) and moves mean "
+            f"|Δ| from {_v(m, 'abs_mean'):.3g} to {_v(m, 'abs_mean_replay'):.3g}."
+            + _moe_note(m, d_ref, r_ref))
 
 
 def _why_off(info: dict, where: str) -> str:
