@@ -139,12 +139,34 @@ class _Pass:
 
     # ------------------------------------------------------------------------------------------------ per chunk
     def chunk(self, offset: int, c: dict) -> None:
+        """Add one chunk of token rows (``offset``: the first row's number) to every accumulator. A run is a span of
+        consecutive rows of one sequence; per-sequence sums are np.add.reduceat over the runs."""
+        step, sid, starts, run_seq, seq_idx = self._locate_runs(offset, c)
+        if starts is None:
+            return
+        pos = c["position"].astype(np.int64)
+        self._check_positions(offset, pos, seq_idx, step, sid)
+        _add_at(self.pos_sum, run_seq, np.add.reduceat(pos.astype(np.float64), starts))
+        mask = c["loss_mask"].astype(bool)
+        _add_at(self.n_masked, run_seq, np.add.reduceat(mask.astype(np.float64), starts))
+        bad_any = self._count_bad(offset, c, mask, seq_idx, pos, run_seq, starts)
+        if self.nan == "error" and self.first_bad is not None:
+            return  # the pass will fail: only keep counting
+        valid = mask & ~bad_any
+        _add_at(self.n_valid, run_seq, np.add.reduceat(valid.astype(np.float64), starts))
+        adv, a_w = self._advantages(c, seq_idx, valid, run_seq, starts)
+        deltas = self._add_pairs(c, seq_idx, valid, run_seq, starts)
+        self._add_token_corrections(deltas, adv, a_w, valid, run_seq, starts)
+
+    def _locate_runs(self, offset: int, c: dict):
+        """(step, sample_id, run starts, sequence row per run, sequence row per token); starts None for an empty
+        chunk. Counts each sequence's rows; LabError for a (run, step, sample_id) not in the sequences table."""
         run_map = np.array([self.index.runs.get(v, -1) for v in c["run_values"]], dtype=np.int64)
         rc = run_map[c["run"]] if len(run_map) else c["run"]
         step, sid = c["step"].astype(np.int64), c["sample_id"].astype(np.int64)
         n = len(step)
         if n == 0:
-            return
+            return step, sid, None, None, None
         brk = np.flatnonzero((rc[1:] != rc[:-1]) | (step[1:] != step[:-1]) | (sid[1:] != sid[:-1])) + 1
         starts = np.concatenate(([0], brk))
         lens = np.diff(np.concatenate((starts, [n])))
@@ -155,18 +177,21 @@ class _Pass:
             run_name = c["run_values"][c["run"][r]] if len(c["run_values"]) else ""
             raise LabError(f"{self.log.tokens_file}: row {offset + r}: (run {run_name!r}, step {step[r]}, sample_id "
                            f"{sid[r]}) has no row in {self.log.sequences_file.name}")
-        seq_idx = np.repeat(run_seq, lens)
         _add_at(self.n_rows, run_seq, lens.astype(np.float64))
-        pos = c["position"].astype(np.int64)
+        return step, sid, starts, run_seq, np.repeat(run_seq, lens)
+
+    def _check_positions(self, offset: int, pos, seq_idx, step, sid) -> None:
+        """LabError for a position outside 0..response_length - 1 of its sequence."""
         out = (pos < 0) | (pos >= self.resp_len[seq_idx])
         if out.any():
             r = int(np.argmax(out))
             raise LabError(f"{self.log.tokens_file}: row {offset + r}: position {pos[r]} is outside 0..response_length - 1 "
                            f"= {self.resp_len[seq_idx[r]] - 1} of (step {step[r]}, sample_id {sid[r]})")
-        _add_at(self.pos_sum, run_seq, np.add.reduceat(pos.astype(np.float64), starts))
-        mask = c["loss_mask"].astype(bool)
-        _add_at(self.n_masked, run_seq, np.add.reduceat(mask.astype(np.float64), starts))
 
+    def _count_bad(self, offset: int, c: dict, mask, seq_idx, pos, run_seq, starts) -> np.ndarray:
+        """Loss-masked tokens with a missing or NaN log-prob in any column: counted per column and per sequence, the
+        first one remembered; returns the mask of such tokens."""
+        n = len(mask)
         bad_any = np.zeros(n, bool)
         for col in self.log.logp_columns:
             bad = mask & ~np.isfinite(c[col])
@@ -180,15 +205,12 @@ class _Pass:
                 bad_any |= bad
         if bad_any.any():
             _add_at(self.n_bad_seq, run_seq, np.add.reduceat(bad_any.astype(np.float64), starts))
-            if self.nan == "error":
-                return  # the pass will fail: only keep counting
-        if self.nan == "error" and self.first_bad is not None:
-            return
-        valid = mask & ~bad_any
-        vf = valid.astype(np.float64)
-        _add_at(self.n_valid, run_seq, np.add.reduceat(vf, starts))
+        return bad_any
 
-        # advantages: the token's, else the sequence's, else 1 (unweighted)
+    def _advantages(self, c: dict, seq_idx, valid, run_seq, starts):
+        """(advantage, |advantage| on valid tokens): the token's, else the sequence's, else 1 (unweighted); adds
+        sum |A| and sum A per sequence and records which sources were used."""
+        n = len(valid)
         adv = c.get("advantage")
         adv = np.full(n, np.nan) if adv is None else adv.astype(np.float64)
         miss = ~np.isfinite(adv)
@@ -205,14 +227,12 @@ class _Pass:
         a_w = np.where(valid, np.abs(adv), 0.0)
         _add_at(self.a_abs, run_seq, np.add.reduceat(a_w, starts))
         _add_at(self.a_sum, run_seq, np.add.reduceat(np.where(valid, adv, 0.0), starts))
+        return adv, a_w
 
-        step_tok = self.seq_step[seq_idx]
-        s_lo, s_hi = int(step_tok.min()), int(step_tok.max())
-        width = s_hi - s_lo + 1
-        ref = c["sampler_logp"] if "sampler_logp" in self.log.logp_columns else c["old_logp"]
-        p_tok = np.exp(np.where(valid, ref.astype(np.float64), 0.0))
-        pb = np.clip(np.searchsorted(P_EDGES, p_tok, side="right") - 1, 0, len(P_EDGES) - 2)
-        low = valid & (p_tok < LOW_P)
+    def _lag_buckets(self, c: dict, seq_idx) -> np.ndarray:
+        """Lag bucket per token of lag = trainer_version - version (the row's, else its sequence's single version):
+        min(lag, MAX_LAG), MAX_LAG + 1 when negative, MAX_LAG + 2 when unknown."""
+        n = len(seq_idx)
         version = c.get("version")
         version = np.full(n, np.nan) if version is None else version.astype(np.float64)
         version = np.where(np.isfinite(version), version, self.seq_ver[seq_idx])
@@ -222,8 +242,19 @@ class _Pass:
         lag_b[known & (lag < 0)] = MAX_LAG + 1
         ok = known & (lag >= 0)
         lag_b[ok] = np.minimum(lag[ok], MAX_LAG).astype(np.int64)
+        return lag_b
+
+    def _add_pairs(self, c: dict, seq_idx, valid, run_seq, starts) -> dict:
+        """delta_t = a_t - b_t per pair (in the log's dtype, widened to float64; 0 off valid tokens), added to the
+        per-sequence, per-step, per-probability-bin and per-lag accumulators; returns {pair: delta}."""
+        step_tok = self.seq_step[seq_idx]
+        s_lo, s_hi = int(step_tok.min()), int(step_tok.max())
+        ref = c["sampler_logp"] if "sampler_logp" in self.log.logp_columns else c["old_logp"]
+        p_tok = np.exp(np.where(valid, ref.astype(np.float64), 0.0))
+        pb = np.clip(np.searchsorted(P_EDGES, p_tok, side="right") - 1, 0, len(P_EDGES) - 2)
+        low = valid & (p_tok < LOW_P)
+        lag_b = self._lag_buckets(c, seq_idx)
         vstep = step_tok[valid] - s_lo
-        NPB = len(P_EDGES) - 1
         deltas = {}
         for p in self.pairs:
             a_col, b_col = PAIRS[p]
@@ -235,30 +266,37 @@ class _Pass:
             _add_at(self.S_abs[p], run_seq, np.add.reduceat(ad, starts))
             _add_at(self.S_low[p], run_seq, np.add.reduceat(np.where(low, ad, 0.0), starts))
             dv = d[valid]
-            b = H.bin_index(dv)
-            self.hist[p][s_lo:s_hi + 1] += np.bincount(vstep * H.NBINS + b, minlength=width * H.NBINS
-                                                       ).reshape(width, H.NBINS)
-            m = self.mom[p]
-            m["n"][s_lo:s_hi + 1] += np.bincount(vstep, minlength=width)
-            m["sum"][s_lo:s_hi + 1] += np.bincount(vstep, weights=dv, minlength=width)
-            m["sum2"][s_lo:s_hi + 1] += np.bincount(vstep, weights=dv * dv, minlength=width)
-            m["abs"][s_lo:s_hi + 1] += np.bincount(vstep, weights=np.abs(dv), minlength=width)
-            with np.errstate(over="ignore", invalid="ignore"):
-                m["k3"][s_lo:s_hi + 1] += np.bincount(vstep, weights=np.expm1(dv) - dv, minlength=width)
-            run_max = np.maximum.reduceat(ad, starts)
-            np.maximum.at(m["max"], self.seq_step[run_seq], run_max)
-            q = self.pbin[p]
-            pv = pb[valid]
-            q["n"] += np.bincount(pv, minlength=NPB)
-            q["sum"] += np.bincount(pv, weights=dv, minlength=NPB)
-            q["abs"] += np.bincount(pv, weights=np.abs(dv), minlength=NPB)
-            q["sum2"] += np.bincount(pv, weights=dv * dv, minlength=NPB)
-            g = self.lag[p]
-            lv = lag_b[valid]
-            g["n"] += np.bincount(lv, minlength=MAX_LAG + 3)
-            g["abs"] += np.bincount(lv, weights=np.abs(dv), minlength=MAX_LAG + 3)
-            g["sum"] += np.bincount(lv, weights=dv, minlength=MAX_LAG + 3)
+            self._add_step_moments(p, dv, vstep, s_lo, s_hi)
+            np.maximum.at(self.mom[p]["max"], self.seq_step[run_seq], np.maximum.reduceat(ad, starts))
+            self._add_bins(self.pbin[p], pb[valid], dv, ("n", "sum", "abs", "sum2"), len(P_EDGES) - 1)
+            self._add_bins(self.lag[p], lag_b[valid], dv, ("n", "abs", "sum"), MAX_LAG + 3)
+        return deltas
 
+    def _add_step_moments(self, p: str, dv, vstep, s_lo: int, s_hi: int) -> None:
+        """Per step (steps s_lo..s_hi of this chunk): histogram of delta and n, sum delta, sum delta^2, sum |delta|,
+        sum e^delta - 1 - delta."""
+        width = s_hi - s_lo + 1
+        b = H.bin_index(dv)
+        self.hist[p][s_lo:s_hi + 1] += np.bincount(vstep * H.NBINS + b, minlength=width * H.NBINS
+                                                   ).reshape(width, H.NBINS)
+        m = self.mom[p]
+        m["n"][s_lo:s_hi + 1] += np.bincount(vstep, minlength=width)
+        m["sum"][s_lo:s_hi + 1] += np.bincount(vstep, weights=dv, minlength=width)
+        m["sum2"][s_lo:s_hi + 1] += np.bincount(vstep, weights=dv * dv, minlength=width)
+        m["abs"][s_lo:s_hi + 1] += np.bincount(vstep, weights=np.abs(dv), minlength=width)
+        with np.errstate(over="ignore", invalid="ignore"):
+            m["k3"][s_lo:s_hi + 1] += np.bincount(vstep, weights=np.expm1(dv) - dv, minlength=width)
+
+    @staticmethod
+    def _add_bins(acc: dict, bins, dv, keys, nbins: int) -> None:
+        """Per bin, of the valid tokens' delta: n, sum delta, sum |delta| and sum delta^2 (those of ``keys``)."""
+        for k in keys:
+            w = None if k == "n" else dv if k == "sum" else np.abs(dv) if k == "abs" else dv * dv
+            acc[k] += np.bincount(bins, weights=w, minlength=nbins)
+
+    def _add_token_corrections(self, deltas: dict, adv, a_w, valid, run_seq, starts) -> None:
+        """Per token-level correction: tokens it changes or zeroes, and per sequence the weight it is applied to, the
+        weight it removes and the weight it adds (lab.diagnose.corrections.token_effect)."""
         for corr in self.corrections:
             if corr.level != "token":
                 continue

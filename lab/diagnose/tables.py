@@ -88,13 +88,29 @@ def _sequence_correction(st, c, usable: np.ndarray) -> dict:
 
 
 def build(st, seed: int = 0) -> Diagnostics:
-    seq, meta = st.seq, st.log.meta
+    """Every table, the summary and the verdict from the accumulated state ``st`` of a pass. Sequences with a NaN
+    token or no usable token are left out of the sequence statistics."""
     usable = (st.n_bad_seq == 0) & (st.n_valid > 0)
-    groups = st.step_groups
-    order = np.argsort(st.seq_step, kind="stable")
-    bounds = np.searchsorted(st.seq_step[order], np.arange(st.S + 1))
-    tables, summary = {}, {}
     seq_corr = {c.name: _sequence_correction(st, c, usable) for c in st.corrections if c.level != "token"}
+    ci = _intervals(st, seq_corr, seed)
+    tables, summary = {}, {}
+    tables["per_step"], tables["overall"], summary["overall"] = _step_tables(st, usable, ci, seed)
+    tables["by_probability"], summary["low_prob"] = _probability_table(st, ci)
+    tables["by_length"], tables["growth"], summary["growth"] = _length_tables(st, usable)
+    tables["staleness"], summary["staleness"] = _staleness_table(st, usable)
+    tables["corrections"], summary["corrections"] = _corrections_table(st, seq_corr, ci)
+    tables["histograms"] = _histogram_table(st)
+    summary.update(_run_summary(st))
+    summary["verdict"] = verdict(summary)
+    summary["headline"] = summary["verdict"][0] if summary["verdict"] else ""
+    tables["results"] = tidy(tables)
+    return Diagnostics(meta=st.log.meta, summary=summary, tables=tables)
+
+
+def _intervals(st, seq_corr: dict, seed: int) -> dict:
+    """Bootstrap intervals (lab.diagnose.fits.ratio_intervals) of the per-sequence ratios sum(num) / sum(den):
+    mean |delta| = sum |delta| / n_tok and low-p |delta| mass share per pair; weight removed and added by each
+    correction over the weight it is applied to."""
     req = {}
     for p in st.pairs:
         req[f"mean_abs/{p}"] = (st.S_abs[p], st.n_valid)
@@ -103,146 +119,211 @@ def build(st, seed: int = 0) -> Diagnostics:
         acc = st.tok_corr.get(c.name) or seq_corr[c.name]
         req[f"removed/{c.name}"] = (acc["seq_removed"], acc["seq_w"])
         req[f"added/{c.name}"] = (acc["seq_added"], acc["seq_w"])
-    ci = ratio_intervals(req, seed=seed)
+    return ratio_intervals(req, seed=seed)
 
-    # ---- per step and overall token / sequence statistics
+
+# ------------------------------------------------------------------------------------------------ per step, overall
+def _step_tables(st, usable: np.ndarray, ci: dict, seed: int):
+    """(per_step table, overall table, overall summary): token statistics and sequence_stats per step and pair, and
+    over the whole log."""
+    order = np.argsort(st.seq_step, kind="stable")
+    bounds = np.searchsorted(st.seq_step[order], np.arange(st.S + 1))
     per_step, overall = [], {}
     for p in st.pairs:
-        m = st.mom[p]
-        tok = _token_stats(m["n"], m["sum"], m["sum2"], m["abs"], m["k3"], m["max"], st.hist[p])
-        for s in range(st.S):
-            ids = order[bounds[s]:bounds[s + 1]]
-            ids = ids[usable[ids]]
-            row = {"run": groups["run"][s], "step": int(groups["step"][s]), "pair": p, "n_seq": int(ids.size),
-                   **{k: float(v[s]) for k, v in tok.items()}, **sequence_stats(st.L[p][ids])}
-            row["khat_warning"] = bool(row["khat"] > KHAT_WARN)
-            per_step.append(row)
-        tot = _token_stats(m["n"].sum(), m["sum"].sum(), m["sum2"].sum(), m["abs"].sum(), m["k3"].sum(),
-                           m["max"].max(initial=0.0), st.hist[p].sum(0))
-        steps_p = [r for r in per_step if r["pair"] == p]
-        ess = median_interval([r["ess_frac"] for r in steps_p], seed=seed)
-        dom = median_interval([r["dominant_share"] for r in steps_p], seed=seed)
-        kh = np.array([r["khat"] for r in steps_p], dtype=float)
-        mabs = ci[f"mean_abs/{p}"]
-        L = st.L[p][usable]
-        overall[p] = {"pair": p, **{k: float(v) for k, v in tot.items()}, "mean_abs_lo": mabs[1],
-                      "mean_abs_hi": mabs[2], "n_seq": int(usable.sum()), "n_steps": st.S,
-                      "ess_median": ess[0], "ess_lo": ess[1], "ess_hi": ess[2],
-                      "dominant_median": dom[0], "dominant_lo": dom[1], "dominant_hi": dom[2],
-                      "khat_steps": int(np.isfinite(kh).sum()), "khat_warning_steps": int((kh > KHAT_WARN).sum()),
-                      "khat_median": float(np.nanmedian(kh)) if np.isfinite(kh).any() else np.nan,
-                      **{k: v for k, v in sequence_stats(L).items() if k in ("logw_mean", "logw_sd", "w_median",
-                                                                               "w_mean")},
-                      "median_len": float(np.median(st.n_valid[usable])) if usable.any() else np.nan}
-    tables["per_step"] = pd.DataFrame(per_step)
-    tables["overall"] = pd.DataFrame(list(overall.values()))
-    summary["overall"] = overall
+        steps_p = _per_step_rows(st, p, usable, order, bounds)
+        per_step.extend(steps_p)
+        overall[p] = _overall_row(st, p, usable, steps_p, ci, seed)
+    return pd.DataFrame(per_step), pd.DataFrame(list(overall.values())), overall
 
-    # ---- dependence on token probability
+
+def _per_step_rows(st, p: str, usable: np.ndarray, order: np.ndarray, bounds: np.ndarray) -> list[dict]:
+    """One row per step of pair ``p``: its token statistics and the sequence_stats of its usable sequences."""
+    m, groups = st.mom[p], st.step_groups
+    tok = _token_stats(m["n"], m["sum"], m["sum2"], m["abs"], m["k3"], m["max"], st.hist[p])
+    rows = []
+    for s in range(st.S):
+        ids = order[bounds[s]:bounds[s + 1]]
+        ids = ids[usable[ids]]
+        row = {"run": groups["run"][s], "step": int(groups["step"][s]), "pair": p, "n_seq": int(ids.size),
+               **{k: float(v[s]) for k, v in tok.items()}, **sequence_stats(st.L[p][ids])}
+        row["khat_warning"] = bool(row["khat"] > KHAT_WARN)
+        rows.append(row)
+    return rows
+
+
+def _overall_row(st, p: str, usable: np.ndarray, steps_p: list[dict], ci: dict, seed: int) -> dict:
+    """Pair ``p`` over the whole log: pooled token statistics, medians over steps (with bootstrap intervals) of the
+    Kish ESS fraction and dominant share, k-hat warning counts and the log-weight of all usable sequences."""
+    m = st.mom[p]
+    tot = _token_stats(m["n"].sum(), m["sum"].sum(), m["sum2"].sum(), m["abs"].sum(), m["k3"].sum(),
+                       m["max"].max(initial=0.0), st.hist[p].sum(0))
+    ess = median_interval([r["ess_frac"] for r in steps_p], seed=seed)
+    dom = median_interval([r["dominant_share"] for r in steps_p], seed=seed)
+    kh = np.array([r["khat"] for r in steps_p], dtype=float)
+    mabs = ci[f"mean_abs/{p}"]
+    L = st.L[p][usable]
+    return {"pair": p, **{k: float(v) for k, v in tot.items()}, "mean_abs_lo": mabs[1],
+            "mean_abs_hi": mabs[2], "n_seq": int(usable.sum()), "n_steps": st.S,
+            "ess_median": ess[0], "ess_lo": ess[1], "ess_hi": ess[2],
+            "dominant_median": dom[0], "dominant_lo": dom[1], "dominant_hi": dom[2],
+            "khat_steps": int(np.isfinite(kh).sum()), "khat_warning_steps": int((kh > KHAT_WARN).sum()),
+            "khat_median": float(np.nanmedian(kh)) if np.isfinite(kh).any() else np.nan,
+            **{k: v for k, v in sequence_stats(L).items() if k in ("logw_mean", "logw_sd", "w_median", "w_mean")},
+            "median_len": float(np.median(st.n_valid[usable])) if usable.any() else np.nan}
+
+
+# ------------------------------------------------------------------------------------------------ token probability
+def _probability_table(st, ci: dict):
+    """(by_probability table, low_prob summary): the log-ratio per bin of the reference token probability p."""
     rows, low = [], {}
-    NP = len(P_EDGES) - 1
     for p in st.pairs:
-        q = st.pbin[p]
-        n_all, abs_all = q["n"].sum(), q["abs"].sum()
-        for b in range(NP):
-            n = q["n"][b]
-            rows.append({"pair": p, "p_lo": P_EDGES[b], "p_hi": min(P_EDGES[b + 1], 1.0), "n_tok": n,
-                         "token_share": n / n_all if n_all else np.nan,
-                         "mean": q["sum"][b] / n if n else np.nan, "mean_abs": q["abs"][b] / n if n else np.nan,
-                         "rms": np.sqrt(q["sum2"][b] / n) if n else np.nan,
-                         "abs_mass_share": q["abs"][b] / abs_all if abs_all else np.nan})
-        lo_b = P_EDGES[1:] <= LOW_P + 1e-12
-        hi_b = P_EDGES[:-1] >= 0.9 - 1e-12
-        mass = ci[f"low/{p}"]
-        n_lo, n_hi = q["n"][lo_b].sum(), q["n"][hi_b].sum()
-        low[p] = {"token_share": n_lo / n_all if n_all else np.nan, "abs_mass_share": mass[0], "lo": mass[1],
-                  "hi": mass[2], "mean_abs_low": q["abs"][lo_b].sum() / n_lo if n_lo else np.nan,
-                  "mean_abs_high": q["abs"][hi_b].sum() / n_hi if n_hi else np.nan}
-    tables["by_probability"] = pd.DataFrame(rows)
-    summary["low_prob"] = low
+        rows.extend(_probability_rows(st.pbin[p], p))
+        low[p] = _low_prob(st.pbin[p], ci[f"low/{p}"])
+    return pd.DataFrame(rows), low
 
-    # ---- sequence log-weight against length
-    rows, growth = [], {}
+
+def _probability_rows(q: dict, p: str) -> list[dict]:
+    """Per p bin b: n_tok, token share n_b / n, mean = sum_b / n_b, mean |delta|, rms = sqrt(sum2_b / n_b) and
+    the bin's share of the total |delta| mass."""
+    n_all, abs_all = q["n"].sum(), q["abs"].sum()
+    rows = []
+    for b in range(len(P_EDGES) - 1):
+        n = q["n"][b]
+        rows.append({"pair": p, "p_lo": P_EDGES[b], "p_hi": min(P_EDGES[b + 1], 1.0), "n_tok": n,
+                     "token_share": n / n_all if n_all else np.nan,
+                     "mean": q["sum"][b] / n if n else np.nan, "mean_abs": q["abs"][b] / n if n else np.nan,
+                     "rms": np.sqrt(q["sum2"][b] / n) if n else np.nan,
+                     "abs_mass_share": q["abs"][b] / abs_all if abs_all else np.nan})
+    return rows
+
+
+def _low_prob(q: dict, mass) -> dict:
+    """Tokens with p < LOW_P: their share, their |delta| mass share (with its interval ``mass``), and mean |delta|
+    on them against tokens with p >= 0.9."""
+    n_all = q["n"].sum()
+    lo_b = P_EDGES[1:] <= LOW_P + 1e-12
+    hi_b = P_EDGES[:-1] >= 0.9 - 1e-12
+    n_lo, n_hi = q["n"][lo_b].sum(), q["n"][hi_b].sum()
+    return {"token_share": n_lo / n_all if n_all else np.nan, "abs_mass_share": mass[0], "lo": mass[1],
+            "hi": mass[2], "mean_abs_low": q["abs"][lo_b].sum() / n_lo if n_lo else np.nan,
+            "mean_abs_high": q["abs"][hi_b].sum() / n_hi if n_hi else np.nan}
+
+
+# ------------------------------------------------------------------------------------------------ length
+def _length_tables(st, usable: np.ndarray):
+    """(by_length table, growth table, growth summary): the sequence log-weight L in power-of-two length bins, and
+    its growth with length."""
     n_len = st.n_valid[usable]
     edges = 2.0 ** np.arange(0, max(int(np.ceil(np.log2(n_len.max() + 1))) + 1, 1) + 1) if n_len.size else np.array([1., 2.])
+    rows, growth = [], {}
     for p in st.pairs:
         L = st.L[p][usable]
-        b = np.clip(np.searchsorted(edges, n_len, side="right") - 1, 0, len(edges) - 2)
-        for k in range(len(edges) - 1):
-            sel = b == k
-            if not sel.any():
-                continue
-            Lk = L[sel]
-            rows.append({"pair": p, "len_lo": int(edges[k]), "len_hi": int(edges[k + 1]) - 1, "n_seq": int(sel.sum()),
-                         "mean_len": float(n_len[sel].mean()), "logw_mean": float(Lk.mean()),
-                         "logw_abs_mean": float(np.abs(Lk).mean()),
-                         "logw_sd": float(Lk.std(ddof=1)) if Lk.size > 1 else np.nan,
-                         "w_median": float(np.exp(np.median(Lk)))})
-        drift = ols(n_len, L)
-        resid = L - drift["intercept"] - drift["slope"] * n_len if np.isfinite(drift["slope"]) else L - L.mean()
-        var = ols(n_len, resid**2)
-        growth[p] = {"drift_per_token": drift["slope"], "drift_lo": drift["lo"], "drift_hi": drift["hi"],
-                     "var_per_token": var["slope"], "var_lo": var["lo"], "var_hi": var["hi"], "n_seq": drift["n"]}
-    tables["by_length"] = pd.DataFrame(rows)
-    tables["growth"] = pd.DataFrame([{"pair": p, **g} for p, g in growth.items()])
-    summary["growth"] = growth
+        rows.extend(_length_rows(L, n_len, edges, p))
+        growth[p] = _growth(L, n_len)
+    return pd.DataFrame(rows), pd.DataFrame([{"pair": p, **g} for p, g in growth.items()]), growth
 
-    # ---- staleness (version lag): sequences from the sequences table, tokens from the pass
+
+def _length_rows(L: np.ndarray, n_len: np.ndarray, edges: np.ndarray, p: str) -> list[dict]:
+    """Per non-empty length bin [edges[k], edges[k + 1]): n_seq, mean length, mean L, mean |L|, sd L and the median
+    weight e^median(L)."""
+    b = np.clip(np.searchsorted(edges, n_len, side="right") - 1, 0, len(edges) - 2)
+    rows = []
+    for k in range(len(edges) - 1):
+        sel = b == k
+        if not sel.any():
+            continue
+        Lk = L[sel]
+        rows.append({"pair": p, "len_lo": int(edges[k]), "len_hi": int(edges[k + 1]) - 1, "n_seq": int(sel.sum()),
+                     "mean_len": float(n_len[sel].mean()), "logw_mean": float(Lk.mean()),
+                     "logw_abs_mean": float(np.abs(Lk).mean()),
+                     "logw_sd": float(Lk.std(ddof=1)) if Lk.size > 1 else np.nan,
+                     "w_median": float(np.exp(np.median(Lk)))})
+    return rows
+
+
+def _growth(L: np.ndarray, n_len: np.ndarray) -> dict:
+    """Drift per token = OLS slope of L on length; variance per token = OLS slope of the squared residual on length
+    (residual about the fit, or about mean L when there is no slope)."""
+    drift = ols(n_len, L)
+    resid = L - drift["intercept"] - drift["slope"] * n_len if np.isfinite(drift["slope"]) else L - L.mean()
+    var = ols(n_len, resid**2)
+    return {"drift_per_token": drift["slope"], "drift_lo": drift["lo"], "drift_hi": drift["hi"],
+            "var_per_token": var["slope"], "var_lo": var["lo"], "var_hi": var["hi"], "n_seq": drift["n"]}
+
+
+# ------------------------------------------------------------------------------------------------ staleness
+def _staleness_table(st, usable: np.ndarray):
+    """(staleness table, staleness summary or None): lag = trainer_version - version_min per sequence (from the
+    sequences table), token counts and mean |delta| per lag from the pass."""
+    seq = st.seq
     tv = seq["trainer_version"].to_numpy(np.float64)
     lag_max = tv - seq["version_min"].to_numpy(np.float64)
     lag_min = tv - seq["version_max"].to_numpy(np.float64)
     known = np.isfinite(lag_max)
-    rows = []
-    if known.any():
-        lags = lag_max[known].astype(np.int64)
-        main = "total" if "total" in st.pairs else st.pairs[0]
-        for lag in np.unique(lags):
-            sel = known & (lag_max == lag)
-            r = {"lag": int(lag), "n_seq": int(sel.sum()), "seq_share": float(sel.sum() / known.sum())}
-            b = MAX_LAG + 1 if lag < 0 else min(int(lag), MAX_LAG)
-            for p in st.pairs:
-                g = st.lag[p]
-                r[f"n_tok_{p}"] = float(g["n"][b])
-                r[f"mean_abs_{p}"] = g["abs"][b] / g["n"][b] if g["n"][b] else np.nan
-                Ls = st.L[p][sel & usable]
-                r[f"logw_abs_mean_{p}"] = float(np.abs(Ls).mean()) if Ls.size else np.nan
-            rows.append(r)
-        stale = lag_max[known]
-        summary["staleness"] = {"n_seq": int(known.sum()), "stale_share": float((stale >= 1).mean()),
-                                "mean_lag": float(stale.mean()), "max_lag": int(stale.max()),
-                                "negative_lags": int((stale < 0).sum()),
-                                "spanning_versions": int((lag_max[known] != lag_min[known]).sum()),
-                                "pair": main}
-    else:
-        summary["staleness"] = None
-    tables["staleness"] = pd.DataFrame(rows)
+    if not known.any():
+        return pd.DataFrame([]), None
+    lags = lag_max[known].astype(np.int64)
+    rows = [_staleness_row(st, usable, lag_max, known, lag) for lag in np.unique(lags)]
+    stale = lag_max[known]
+    summary = {"n_seq": int(known.sum()), "stale_share": float((stale >= 1).mean()),
+               "mean_lag": float(stale.mean()), "max_lag": int(stale.max()),
+               "negative_lags": int((stale < 0).sum()),
+               "spanning_versions": int((lag_max[known] != lag_min[known]).sum()),
+               "pair": "total" if "total" in st.pairs else st.pairs[0]}
+    return pd.DataFrame(rows), summary
 
-    # ---- corrections
+
+def _staleness_row(st, usable: np.ndarray, lag_max: np.ndarray, known: np.ndarray, lag) -> dict:
+    """One lag: its sequences and their share; per pair the tokens at that lag, their mean |delta| and the mean |L|
+    of its usable sequences."""
+    sel = known & (lag_max == lag)
+    r = {"lag": int(lag), "n_seq": int(sel.sum()), "seq_share": float(sel.sum() / known.sum())}
+    b = MAX_LAG + 1 if lag < 0 else min(int(lag), MAX_LAG)
+    for p in st.pairs:
+        g = st.lag[p]
+        r[f"n_tok_{p}"] = float(g["n"][b])
+        r[f"mean_abs_{p}"] = g["abs"][b] / g["n"][b] if g["n"][b] else np.nan
+        Ls = st.L[p][sel & usable]
+        r[f"logw_abs_mean_{p}"] = float(np.abs(Ls).mean()) if Ls.size else np.nan
+    return r
+
+
+# ------------------------------------------------------------------------------------------------ corrections
+def _corrections_table(st, seq_corr: dict, ci: dict):
+    """(corrections table, corrections summary): per correction the shares of tokens and sequences it changes or
+    zeroes and the gradient weight it removes and adds (with intervals)."""
     rows, corr_sum = [], {}
-    has_tok = st.n_valid > 0
     for c in st.corrections:
         rem, add = ci[f"removed/{c.name}"], ci[f"added/{c.name}"]
-        if c.level == "token":
-            acc = st.tok_corr[c.name]
-            n_tok, changed, zeroed = acc["tot"][0], acc["tot"][1], acc["tot"][2]
-            seq_changed = float((acc["seq_changed"][has_tok] > 0).mean()) if has_tok.any() else np.nan
-            tok_changed, tok_zeroed = changed / n_tok if n_tok else np.nan, zeroed / n_tok if n_tok else np.nan
-            seq_zeroed = np.nan
-        else:
-            acc = seq_corr[c.name]
-            tok_changed, tok_zeroed = acc["tokens_changed"], acc["tokens_zeroed"]
-            seq_changed, seq_zeroed = acc["sequences_changed"], acc["sequences_zeroed"]
+        tok_changed, tok_zeroed, seq_changed, seq_zeroed = _correction_shares(st, c, seq_corr)
         row = {"name": c.name, "label": c.label, "level": c.level, "pair": c.pair, "hyper": c.describe(),
                "tokens_changed": tok_changed, "tokens_zeroed": tok_zeroed, "sequences_changed": seq_changed,
                "sequences_zeroed": seq_zeroed, "removed": rem[0], "removed_lo": rem[1], "removed_hi": rem[2],
                "added": add[0], "added_lo": add[1], "added_hi": add[2]}
         rows.append(row)
         corr_sum[c.name] = {k: v for k, v in row.items() if k != "name"}
-    tables["corrections"] = pd.DataFrame(rows)
-    summary["corrections"] = corr_sum
+    return pd.DataFrame(rows), corr_sum
 
-    # ---- histograms (non-empty bins), overall and per step
+
+def _correction_shares(st, c, seq_corr: dict) -> tuple:
+    """(tokens changed, tokens zeroed, sequences changed, sequences zeroed) as shares; a token-level correction's
+    sequence share counts sequences with any changed token, and it zeroes no whole sequence (NaN)."""
+    if c.level != "token":
+        acc = seq_corr[c.name]
+        return acc["tokens_changed"], acc["tokens_zeroed"], acc["sequences_changed"], acc["sequences_zeroed"]
+    has_tok = st.n_valid > 0
+    acc = st.tok_corr[c.name]
+    n_tok, changed, zeroed = acc["tot"][0], acc["tot"][1], acc["tot"][2]
+    seq_changed = float((acc["seq_changed"][has_tok] > 0).mean()) if has_tok.any() else np.nan
+    tok_changed, tok_zeroed = changed / n_tok if n_tok else np.nan, zeroed / n_tok if n_tok else np.nan
+    return tok_changed, tok_zeroed, seq_changed, np.nan
+
+
+# ------------------------------------------------------------------------------------------------ histograms, facts
+def _histogram_table(st) -> pd.DataFrame:
+    """Non-empty histogram bins per pair, overall (run and step null) and per step."""
     lo, hi = H.bin_edges()
+    groups = st.step_groups
     rows = []
     for p in st.pairs:
         for s in [-1, *range(st.S)]:
@@ -252,10 +333,15 @@ def build(st, seed: int = 0) -> Diagnostics:
                                       "step": pd.array([pd.NA if s < 0 else int(groups["step"][s])] * nz.size,
                                                        dtype="Int64"),
                                       "bin": nz, "bin_lo": lo[nz], "bin_hi": hi[nz], "count": counts[nz]}))
-    tables["histograms"] = pd.concat(rows, ignore_index=True) if rows else pd.DataFrame()
+    return pd.concat(rows, ignore_index=True) if rows else pd.DataFrame()
 
+
+def _run_summary(st) -> dict:
+    """The log's facts for the summary: source, log-prob meaning, sampling, pairs, counts, advantage sources, NaN
+    handling and whether sampling was truncated (top_p < 1 or top_k > 0)."""
+    seq, meta = st.seq, st.log.meta
     bad = {k: int(v) for k, v in st.bad.items()}
-    summary.update({
+    return {
         "study": "diagnose", "source": meta["source"], "logp": meta["logp"], "sampling": meta["sampling"],
         "pairs": st.pairs, "pair_text": {p: PAIR_TEXT[p] for p in st.pairs},
         "n_token_rows": int(st.n_rows.sum()), "n_loss_tokens": int(st.n_masked.sum()),
@@ -264,11 +350,7 @@ def build(st, seed: int = 0) -> Diagnostics:
         "nan": {"mode": st.nan, "tokens": bad, "sequences": int((st.n_bad_seq > 0).sum())},
         "truncated_sampling": bool((meta["sampling"]["top_p"] or 1) < 1 or (meta["sampling"]["top_k"] or 0) > 0),
         "notes": meta.get("notes", []),
-    })
-    summary["verdict"] = verdict(summary)
-    summary["headline"] = summary["verdict"][0] if summary["verdict"] else ""
-    tables["results"] = tidy(tables)
-    return Diagnostics(meta=meta, summary=summary, tables=tables)
+    }
 
 
 INTERVALS = {"mean_abs": ("mean_abs_lo", "mean_abs_hi"), "ess_median": ("ess_lo", "ess_hi"),

@@ -38,13 +38,25 @@ def _ci(lo, hi, fmt=_num) -> str:
 
 
 def verdict(summary: dict) -> list[str]:
+    """The verdict's sentences, in order: sequence-level IS, where the mismatch lives, growth with length,
+    staleness, the corrections, truncated or one-sided sampling, dropped NaN tokens (those that apply)."""
     pairs = summary["pairs"]
     main = "total" if "total" in pairs else pairs[0]
     mis = "mismatch" if "mismatch" in pairs else main
-    o, lines = summary["overall"][main], []
-    n_steps = o["n_steps"]
+    om = summary["overall"][mis]
+    lines = [_sequence_is(summary["overall"][main], main),
+             _low_prob(summary["low_prob"].get(mis), mis),
+             _growth(om, summary["growth"].get(mis, {}), mis),
+             _staleness(summary.get("staleness")),
+             _corrections(summary["corrections"], mis),
+             _sampling(summary, om),
+             _dropped_nan(summary.get("nan", {}))]
+    return [line for line in lines if line is not None]
 
-    # 1. would sequence-level IS work?
+
+def _sequence_is(o: dict, main: str) -> str:
+    """1. Would sequence-level IS work: dominant share and Kish ESS (medians over steps), k-hat > 0.7 steps."""
+    n_steps = o["n_steps"]
     text = (f"Sequence-level IS on {PAIR_WORDS[main]} ratios would be dominated by {_pct(o['dominant_median'])}"
             f"{_ci(o['dominant_lo'], o['dominant_hi'], _pct)} of sequences: that share of a step's sequences holds half "
             f"of its total weight (median over {n_steps} step{'s' if n_steps != 1 else ''}); Kish ESS "
@@ -55,31 +67,36 @@ def verdict(summary: dict) -> list[str]:
             text += ": sequence-level IS estimates are unreliable here"
     else:
         text += "; k-hat needs at least 25 sequences per step"
-    lines.append(text + ".")
+    return text + "."
 
-    # 2. where the mismatch lives
-    lp = summary["low_prob"].get(mis)
-    if lp and _ok(lp["token_share"]) and _ok(lp["abs_mass_share"]) and 0 < lp["token_share"] < 1:
-        def intensity(mass):  # |Δ| per low-p token over |Δ| per other token
-            return (mass / lp["token_share"]) / max((1 - mass) / (1 - lp["token_share"]), 1e-300)
 
-        r, r_lo, r_hi = (intensity(lp[k]) if _ok(lp[k]) else float("nan") for k in ("abs_mass_share", "lo", "hi"))
-        means = (f"; mean |Δ| {_num(lp['mean_abs_low'])} against {_num(lp['mean_abs_high'])} for p > 0.9"
-                 if _ok(lp["mean_abs_low"]) and _ok(lp["mean_abs_high"]) else "")
-        share = (f"they are {_pct(lp['token_share'])} of tokens and carry {_pct(lp['abs_mass_share'])}"
-                 f"{_ci(lp['lo'], lp['hi'], _pct)} of the |log-ratio| mass, {_num(r)}x{_ci(r_lo, r_hi)} the |Δ| per "
-                 f"token of the others{means}")
-        if _ok(r_lo) and r_lo >= CONCENTRATED:
-            lines.append(f"The {PAIR_WORDS[mis]} mismatch is concentrated on tokens with p < 0.1: {share}.")
-        elif _ok(r_hi) and r_hi < CONCENTRATED:
-            lines.append(f"The {PAIR_WORDS[mis]} mismatch is not concentrated on low-probability tokens (p < 0.1): "
-                         f"{share}.")
-        else:
-            lines.append(f"Whether the {PAIR_WORDS[mis]} mismatch is concentrated on low-probability tokens (p < 0.1) "
-                         f"is not resolved (the interval straddles {CONCENTRATED}x): {share}.")
+def _low_prob(lp: dict | None, mis: str) -> str | None:
+    """2. Where the mismatch lives: intensity r = (mass / share) / ((1 - mass) / (1 - share)), the |delta| per
+    p < 0.1 token over that of the others; concentrated when its interval lies above CONCENTRATED."""
+    if not (lp and _ok(lp["token_share"]) and _ok(lp["abs_mass_share"]) and 0 < lp["token_share"] < 1):
+        return None
 
-    # 3. small per-token differences compound over length
-    om, g = summary["overall"][mis], summary["growth"].get(mis, {})
+    def intensity(mass):  # |Δ| per low-p token over |Δ| per other token
+        return (mass / lp["token_share"]) / max((1 - mass) / (1 - lp["token_share"]), 1e-300)
+
+    r, r_lo, r_hi = (intensity(lp[k]) if _ok(lp[k]) else float("nan") for k in ("abs_mass_share", "lo", "hi"))
+    means = (f"; mean |Δ| {_num(lp['mean_abs_low'])} against {_num(lp['mean_abs_high'])} for p > 0.9"
+             if _ok(lp["mean_abs_low"]) and _ok(lp["mean_abs_high"]) else "")
+    share = (f"they are {_pct(lp['token_share'])} of tokens and carry {_pct(lp['abs_mass_share'])}"
+             f"{_ci(lp['lo'], lp['hi'], _pct)} of the |log-ratio| mass, {_num(r)}x{_ci(r_lo, r_hi)} the |Δ| per "
+             f"token of the others{means}")
+    if _ok(r_lo) and r_lo >= CONCENTRATED:
+        return f"The {PAIR_WORDS[mis]} mismatch is concentrated on tokens with p < 0.1: {share}."
+    if _ok(r_hi) and r_hi < CONCENTRATED:
+        return (f"The {PAIR_WORDS[mis]} mismatch is not concentrated on low-probability tokens (p < 0.1): "
+                f"{share}.")
+    return (f"Whether the {PAIR_WORDS[mis]} mismatch is concentrated on low-probability tokens (p < 0.1) "
+            f"is not resolved (the interval straddles {CONCENTRATED}x): {share}.")
+
+
+def _growth(om: dict, g: dict, mis: str) -> str:
+    """3. Small per-token differences compound over length: mean |delta|, sd of L = sum delta, and the per-token
+    growth of Var(L) and drift of L."""
     text = (f"Per token, |log {PAIR_WORDS[mis]} ratio| averages {_num(om['mean_abs'])}"
             f"{_ci(om['mean_abs_lo'], om['mean_abs_hi'])} (p99 {_num(om['abs_p99'])}, mean {_num(om['mean'])}); over "
             f"responses of median length {_num(om['median_len'])} the sequence log-weight has sd {_num(om['logw_sd'])} "
@@ -87,23 +104,26 @@ def verdict(summary: dict) -> list[str]:
     if _ok(g.get("var_per_token")):
         text += (f": Var(log W) grows by {_num(g['var_per_token'])}{_ci(g['var_lo'], g['var_hi'])} per token and "
                  f"log W drifts by {_num(g['drift_per_token'])}{_ci(g['drift_lo'], g['drift_hi'])} per token")
-    lines.append(text + ".")
+    return text + "."
 
-    # 4. staleness
-    st = summary.get("staleness")
-    if st:
-        text = (f"Staleness: {_pct(st['stale_share'])} of sequences were generated at least one policy version "
-                f"behind the trainer (mean lag {_num(st['mean_lag'])}, max {st['max_lag']})")
-        if st.get("negative_lags"):
-            text += f"; {st['negative_lags']} sequences claim a version newer than the trainer's (check the versions)"
-        lines.append(text + ".")
-    else:
-        lines.append("This log has no policy versions: staleness cannot be told apart from sampler/trainer mismatch.")
 
-    # 5. what each correction does
+def _staleness(st: dict | None) -> str:
+    """4. Staleness: share of sequences at lag >= 1, mean and max lag, negative lags."""
+    if not st:
+        return "This log has no policy versions: staleness cannot be told apart from sampler/trainer mismatch."
+    text = (f"Staleness: {_pct(st['stale_share'])} of sequences were generated at least one policy version "
+            f"behind the trainer (mean lag {_num(st['mean_lag'])}, max {st['max_lag']})")
+    if st.get("negative_lags"):
+        text += f"; {st['negative_lags']} sequences claim a version newer than the trainer's (check the versions)"
+    return text + "."
+
+
+def _corrections(corrections: dict, mis: str) -> str | None:
+    """5. What each correction does: tokens changed and gradient weight removed (and added), or that it changes
+    no token."""
     parts, idle = [], []
     for name in CORRECTIONS:
-        c = summary["corrections"].get(name)
+        c = corrections.get(name)
         if not c:
             continue
         on = f" on {PAIR_WORDS[c['pair']]}" if c["pair"] != mis else ""
@@ -113,30 +133,35 @@ def verdict(summary: dict) -> list[str]:
         parts.append(f"{c['label']}{on} changes {_pct(c['tokens_changed'])} of tokens and removes "
                      f"{_pct(c['removed'])}{_ci(c['removed_lo'], c['removed_hi'], _pct)} of the gradient weight"
                      + (f" (adds {_pct(c['added'])})" if _ok(c["added"]) and c["added"] >= 0.001 else ""))
-    if parts or idle:
-        text = f"At their default thresholds, on {PAIR_WORDS[mis]} ratios unless said: " + "; ".join(parts)
-        if idle:
-            text += ("; " if parts else "") + f"{', '.join(idle)} change{'s' if len(idle) == 1 else ''} no token"
-        lines.append(text + ".")
+    if not (parts or idle):
+        return None
+    text = f"At their default thresholds, on {PAIR_WORDS[mis]} ratios unless said: " + "; ".join(parts)
+    if idle:
+        text += ("; " if parts else "") + f"{', '.join(idle)} change{'s' if len(idle) == 1 else ''} no token"
+    return text + "."
 
-    # 6. truncated sampling and one-sided ratios
+
+def _sampling(summary: dict, om: dict) -> str | None:
+    """6. Truncated sampling, and a one-sided log-ratio (at least 90 % of tokens of one sign)."""
     neg = om.get("neg_share")
     one_sided = _ok(neg) and (neg >= 0.9 or neg <= 0.1) and om["n_tok"] > 0
     if summary.get("truncated_sampling"):
         s = summary["sampling"]
         what = ", ".join(f"{k} {v}" for k, v in s.items() if v is not None)
-        lines.append(f"Sampling was truncated ({what}): if the engine reports log-probs of the renormalised "
-                     f"distribution, every token's trainer/sampler log-ratio is shifted by the log of the kept mass"
-                     + (f"; here {_pct(neg)} of tokens have a negative log-ratio, consistent with that shift"
-                        if one_sided else "") + ".")
-    elif one_sided:
-        lines.append(f"The trainer/sampler log-ratio is one-sided: {_pct(neg)} of tokens are negative. Check that "
-                     f"both sides use the same temperature and no top-p/top-k truncation.")
+        return (f"Sampling was truncated ({what}): if the engine reports log-probs of the renormalised "
+                f"distribution, every token's trainer/sampler log-ratio is shifted by the log of the kept mass"
+                + (f"; here {_pct(neg)} of tokens have a negative log-ratio, consistent with that shift"
+                   if one_sided else "") + ".")
+    if one_sided:
+        return (f"The trainer/sampler log-ratio is one-sided: {_pct(neg)} of tokens are negative. Check that "
+                f"both sides use the same temperature and no top-p/top-k truncation.")
+    return None
 
-    # 7. dropped NaN tokens
-    nan = summary.get("nan", {})
+
+def _dropped_nan(nan: dict) -> str | None:
+    """7. Loss-masked tokens dropped for missing or NaN log-probs (--nan drop)."""
     n_bad = sum(nan.get("tokens", {}).values())
-    if n_bad:
-        lines.append(f"{n_bad} loss-masked tokens had missing or NaN log-probs ({nan['sequences']} sequences): "
-                     f"excluded from token statistics, their sequences from sequence statistics.")
-    return lines
+    if not n_bad:
+        return None
+    return (f"{n_bad} loss-masked tokens had missing or NaN log-probs ({nan['sequences']} sequences): "
+            f"excluded from token statistics, their sequences from sequence statistics.")

@@ -81,72 +81,96 @@ def convert(path, out, *, trust: bool = False, sampling: dict | None = None, pro
                     where = f"{f}:{lineno}"
                     if not line.strip():
                         continue
-                    try:
-                        rec = json.loads(line)
-                    except json.JSONDecodeError as e:
-                        raise LabError(f"{where}: not valid JSON ({e.msg} at column {e.colno}; a truncated line?)") from None
-                    if not isinstance(rec, dict):
-                        raise LabError(f"{where}: expected a JSON object per line, got {type(rec).__name__}")
-                    version = rec.get("schema_version")
-                    if version not in SCHEMA_VERSIONS:
-                        raise LabError(f"{where}: schema_version {version!r} is not a prime-rl token export this adapter "
-                                       f"reads ({', '.join(map(str, SCHEMA_VERSIONS))})")
-                    for k in REQUIRED:
-                        if not isinstance(rec.get(k), list):
-                            raise LabError(f"{where}: field {k!r} is missing or not a list")
-                    n = len(rec["token_ids"])
-                    for k in (*REQUIRED[1:], "advantages", "rewards", "entropy", "temperatures"):
-                        v = rec.get(k)
-                        if isinstance(v, list) and len(v) != n:
-                            raise LabError(f"{where}: {k!r} has {len(v)} entries but 'token_ids' has {n}")
-                    mask = mask_array(rec["loss_mask"], where, "loss_mask")
-                    if not mask.any():
+                    if not _add_record(buf, _parse_record(line, where), where, dir_step, counters, temps):
                         skipped += 1
-                        continue
-                    first = int(np.argmax(mask))
-                    last = n - 1 - int(np.argmax(mask[::-1]))
-                    sl = slice(first, last + 1)
-                    tokens = int_array(rec["token_ids"], where, "token_ids")
-                    adv = _advantages(rec, n, where)
-                    ent = rec.get("entropy")
-                    rewards = rec.get("rewards")
-                    reward = None
-                    if isinstance(rewards, list):
-                        r = float_array(rewards, where, "rewards")[sl][mask[sl]]
-                        r = r[np.isfinite(r)]
-                        reward = float(r[0]) if r.size else None
-                    if isinstance(rec.get("temperatures"), list):
-                        t = float_array(rec["temperatures"], where, "temperatures")
-                        temps.update(t[np.isfinite(t)].tolist())
-                    run = rec.get("run_id") or ""
-                    if not isinstance(run, (str, int)):
-                        raise LabError(f"{where}: 'run_id' is {run!r:.40}; expected a string or null")
-                    run = str(run)
-                    step = rec.get("export_step", rec.get("step"))
-                    if step is None and dir_step:
-                        step = int(dir_step.group(1))
-                    if not isinstance(step, int) or isinstance(step, bool):
-                        raise LabError(f"{where}: record has no integer 'export_step' or 'step'")
-                    sid = counters.get((run, step), 0)
-                    counters[(run, step)] = sid + 1
-                    seq_adv = None
-                    if adv is not None:
-                        a = adv[sl][mask[sl]]
-                        a = a[np.isfinite(a)]
-                        seq_adv = float(a[0]) if a.size else None
-                    buf.add(run, int(step), sid,
-                            {"token_id": tokens[sl], "loss_mask": mask[sl],
-                             "sampler_logp": float_array(rec["inference_logprobs"], where, "inference_logprobs")[sl],
-                             "old_logp": float_array(rec["trainer_logprobs"], where, "trainer_logprobs")[sl],
-                             "advantage": None if adv is None else adv[sl],
-                             "entropy": None if not isinstance(ent, list) else float_array(ent, where, "entropy")[sl]},
-                            {"reward": reward, "advantage": seq_adv, "origin": f"{f}:{lineno}"})
         buf.flush()
-        if len(temps) == 1 and (sampling or {}).get("temperature") is None:
-            writer.meta["sampling"]["temperature"] = temps.pop()
-        if skipped:
-            writer.meta["notes"].append(f"{skipped} records without loss-masked tokens skipped")
+        _finish_meta(writer.meta, temps, sampling, skipped)
         return writer.close()
     except BaseException:
         writer.abort()
         raise
+
+
+def _parse_record(line: str, where: str) -> dict:
+    """One JSONL line as a record: a JSON object of a known schema_version whose REQUIRED fields are lists, and
+    whose per-token lists all have len(token_ids) entries."""
+    try:
+        rec = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise LabError(f"{where}: not valid JSON ({e.msg} at column {e.colno}; a truncated line?)") from None
+    if not isinstance(rec, dict):
+        raise LabError(f"{where}: expected a JSON object per line, got {type(rec).__name__}")
+    version = rec.get("schema_version")
+    if version not in SCHEMA_VERSIONS:
+        raise LabError(f"{where}: schema_version {version!r} is not a prime-rl token export this adapter "
+                       f"reads ({', '.join(map(str, SCHEMA_VERSIONS))})")
+    for k in REQUIRED:
+        if not isinstance(rec.get(k), list):
+            raise LabError(f"{where}: field {k!r} is missing or not a list")
+    n = len(rec["token_ids"])
+    for k in (*REQUIRED[1:], "advantages", "rewards", "entropy", "temperatures"):
+        v = rec.get(k)
+        if isinstance(v, list) and len(v) != n:
+            raise LabError(f"{where}: {k!r} has {len(v)} entries but 'token_ids' has {n}")
+    return rec
+
+
+def _add_record(buf: SequenceBuffer, rec: dict, where: str, dir_step, counters: dict, temps: set) -> bool:
+    """Add the record's response (first to last loss-masked token) to ``buf`` as the next sample_id of its (run,
+    step); collects its temperatures. False, adding nothing, when it has no loss-masked token."""
+    n = len(rec["token_ids"])
+    mask = mask_array(rec["loss_mask"], where, "loss_mask")
+    if not mask.any():
+        return False
+    first = int(np.argmax(mask))
+    last = n - 1 - int(np.argmax(mask[::-1]))
+    sl = slice(first, last + 1)
+    tokens = int_array(rec["token_ids"], where, "token_ids")
+    adv = _advantages(rec, n, where)
+    ent = rec.get("entropy")
+    rewards = rec.get("rewards")
+    reward = _first_finite(float_array(rewards, where, "rewards"), sl, mask) if isinstance(rewards, list) else None
+    if isinstance(rec.get("temperatures"), list):
+        t = float_array(rec["temperatures"], where, "temperatures")
+        temps.update(t[np.isfinite(t)].tolist())
+    run, step = _run_step(rec, where, dir_step)
+    sid = counters.get((run, step), 0)
+    counters[(run, step)] = sid + 1
+    seq_adv = None if adv is None else _first_finite(adv, sl, mask)
+    buf.add(run, int(step), sid,
+            {"token_id": tokens[sl], "loss_mask": mask[sl],
+             "sampler_logp": float_array(rec["inference_logprobs"], where, "inference_logprobs")[sl],
+             "old_logp": float_array(rec["trainer_logprobs"], where, "trainer_logprobs")[sl],
+             "advantage": None if adv is None else adv[sl],
+             "entropy": None if not isinstance(ent, list) else float_array(ent, where, "entropy")[sl]},
+            {"reward": reward, "advantage": seq_adv, "origin": where})
+    return True
+
+
+def _first_finite(x: np.ndarray, sl: slice, mask: np.ndarray) -> float | None:
+    """The first finite value of ``x`` on a loss-masked token of the span ``sl``, else None."""
+    v = x[sl][mask[sl]]
+    v = v[np.isfinite(v)]
+    return float(v[0]) if v.size else None
+
+
+def _run_step(rec: dict, where: str, dir_step) -> tuple[str, int]:
+    """(run, step): run_id (or ""), and export_step, else step, else the step_N folder's N."""
+    run = rec.get("run_id") or ""
+    if not isinstance(run, (str, int)):
+        raise LabError(f"{where}: 'run_id' is {run!r:.40}; expected a string or null")
+    run = str(run)
+    step = rec.get("export_step", rec.get("step"))
+    if step is None and dir_step:
+        step = int(dir_step.group(1))
+    if not isinstance(step, int) or isinstance(step, bool):
+        raise LabError(f"{where}: record has no integer 'export_step' or 'step'")
+    return run, step
+
+
+def _finish_meta(meta: dict, temps: set, sampling: dict | None, skipped: int) -> None:
+    """The one temperature the records carry, unless given; a note counting the records skipped."""
+    if len(temps) == 1 and (sampling or {}).get("temperature") is None:
+        meta["sampling"]["temperature"] = temps.pop()
+    if skipped:
+        meta["notes"].append(f"{skipped} records without loss-masked tokens skipped")
