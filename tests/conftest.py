@@ -7,6 +7,26 @@ import torch
 
 os.environ.setdefault("LAB_QUIET", "1")
 
+
+def _bring_loopback_up() -> None:
+    """A fresh network namespace (``unshare -n``: no network at all) starts with its loopback interface down. Jupyter
+    kernels (papermill) and a local Ray instance talk over 127.0.0.1 on this machine, so bring loopback up there
+    (SIOCSIFFLAGS on "lo"; the namespace's owner may). Nothing outside the machine becomes reachable."""
+    import fcntl
+    import struct
+
+    from lab.engine.sweep import loopback_works
+
+    if loopback_works():
+        return
+    SIOCGIFFLAGS, SIOCSIFFLAGS, IFF_UP = 0x8913, 0x8914, 0x1
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        name, flags = struct.unpack("16sH22x", fcntl.ioctl(s, SIOCGIFFLAGS, struct.pack("16sH22x", b"lo", 0)))
+        fcntl.ioctl(s, SIOCSIFFLAGS, struct.pack("16sH22x", name, flags | IFF_UP))
+
+
+_bring_loopback_up()
+
 import toy_envs  # noqa: E402
 from lab.policies import init_params, make_policy  # noqa: E402
 
@@ -56,10 +76,21 @@ def no_network(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
 
 
-@pytest.fixture
-def one_thread():
-    """One torch thread: small decoding steps gain nothing from more, and a shared machine makes them wait."""
+def _one_torch_thread():
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture
+def one_thread():
+    """One torch thread: small decoding steps gain nothing from more, and a shared machine makes them wait."""
+    yield from _one_torch_thread()
+
+
+@pytest.fixture(scope="module")
+def one_thread_module():
+    """One torch thread for a whole module (its module-scoped fixtures, e.g. warm starts, included): tiny matrices
+    are fastest on one thread, and it spares a busy machine's cores."""
+    yield from _one_torch_thread()

@@ -26,12 +26,7 @@ TINY = dict(n_prompts=32, teacher_size="small", teacher_accuracy=0.5, student_si
             batch_size=16, steps=3, grad_every=2, probe_size=8, eval_every=2, eval_prompts=4, eval_samples=4)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread_module")  # before the module's warm starts
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,5 @@
 """What the real_model_variance report says and draws, checked against the summary of a small run of its study."""
 import pytest
-import torch
 
 from lab.reports import real_model_variance as report
 from lab.reports.style import color, interval
@@ -8,14 +7,9 @@ from lab.studies import real_model_variance as rmv
 
 
 @pytest.fixture(scope="module")
-def study():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield rmv.run(rmv.Config(lengths=[2], model="test", values=[0, 2], replicates=30, trajectory_steps=2,
-                                 estimators=["reinforce", "seq_is", "token_is"], n_boot=100), progress=False)
-    finally:
-        torch.set_num_threads(before)
+def study(one_thread_module):
+    return rmv.run(rmv.Config(lengths=[2], model="test", values=[0, 2], replicates=30, trajectory_steps=2,
+                              estimators=["reinforce", "seq_is", "token_is"], n_boot=100), progress=False)
 
 
 def test_headline_and_answer_state_the_summarys_findings(study):

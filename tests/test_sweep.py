@@ -186,6 +186,19 @@ def test_bad_run_arguments(tmp_path, kwargs, message):
     assert not (tmp_path / "x").exists()
 
 
+def test_a_local_ray_without_loopback_is_one_line_not_minutes_of_retries(tmp_path, monkeypatch):
+    from lab.engine import sweep
+
+    def unreachable(*args, **kwargs):
+        raise OSError(101, "Network is unreachable")  # what 127.0.0.1 answers with the loopback interface down
+
+    monkeypatch.setattr(sweep.socket, "create_connection", unreachable)
+    assert not sweep.loopback_works()
+    with pytest.raises(LabError, match="127.0.0.1, which does not answer here .*--executor local"):
+        run_sweep(SPEC, tmp_path / "x", "ray", workers=1)
+    assert not (tmp_path / "x").exists()
+
+
 @pytest.mark.parametrize("base, grid, message", [
     ({}, {"learning_rate": [0.1]}, "learning_rate are not TrainConfig fields"),
     ({"stepz": 2}, {"seed": [0]}, "base key.*stepz are not TrainConfig fields"),

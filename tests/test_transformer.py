@@ -17,13 +17,7 @@ from lab.policies import Perturbed, sample, sequence_log_probs
 from lab.policies.transformer import SIZES, TransformerConfig, TransformerPolicy, parameter_count
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny matrices: one thread is fastest, and spares a busy machine's cores."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread_module")  # before the module's warm starts
 
 
 def _policy(size="test", env="chain3", **overrides):

@@ -297,6 +297,9 @@ def _run_ray(kind: str, configs: list[dict], workers: int | None, address: str |
                                f"the address (`ray status` on the head node) and, with token auth, RAY_AUTH_TOKEN") \
                     from None
         else:
+            if not loopback_works():  # Ray would retry for minutes before failing
+                raise LabError("a local Ray instance talks over 127.0.0.1, which does not answer here (is the loopback "
+                               "interface down?); bring it up or use --executor local")
             ray.init(num_cpus=workers, include_dashboard=False, log_to_driver=False)
     try:
         task = ray.remote(num_cpus=1)(_run_cell)
@@ -312,6 +315,19 @@ def _run_ray(kind: str, configs: list[dict], workers: int | None, address: str |
     finally:
         if started:
             ray.shutdown()
+
+
+def loopback_works() -> bool:
+    """Whether a TCP connection to a listening socket on 127.0.0.1 succeeds (a fresh network namespace, e.g.
+    ``unshare -n``, starts with its loopback interface down)."""
+    try:
+        with socket.socket() as server:
+            server.bind(("127.0.0.1", 0))
+            server.listen(1)
+            socket.create_connection(server.getsockname(), timeout=2).close()
+        return True
+    except OSError:
+        return False
 
 
 def _answers(address: str) -> bool:

@@ -64,7 +64,8 @@ CELL_FIELDS = ("env", "difficulty", "n_prompts", "teacher_size", "teacher_accura
 @dataclass
 class Config:
     """The real-teacher distillation study. Defaults: 2 vocabulary sizes x 2 gaps x 5 estimators x 2 seeds of 30
-    steps, about 2 minutes on one core, the warm starts' training included (cached afterwards)."""
+    steps, about 2 minutes on one core, the warm starts' training included (cached afterwards); each run's other
+    settings default to ``DistillConfig``'s."""
 
     results: str | None = None
     """a finished sweep folder of kind distill to aggregate instead of running the grid below"""
@@ -78,31 +79,31 @@ class Config:
     """seeds of every run"""
     steps: int = 30
     """optimiser steps per run"""
-    env: str = "chain3"
+    env: str = DistillConfig.env
     """task env preset"""
-    difficulty: int = 2
+    difficulty: int = DistillConfig.difficulty
     """the task's difficulty (chain: T)"""
-    n_prompts: int = 256
+    n_prompts: int = DistillConfig.n_prompts
     """training prompts"""
-    teacher_size: str = "medium"
+    teacher_size: str = DistillConfig.teacher_size
     """teacher transformer size"""
-    teacher_accuracy: float = 0.95
+    teacher_accuracy: float = DistillConfig.teacher_accuracy
     """the teacher's warm-start accuracy"""
-    student_size: str = "small"
+    student_size: str = DistillConfig.student_size
     """student transformer size"""
-    top_k: int = 4
+    top_k: int = DistillConfig.top_k
     """k of the top-k baseline and loss"""
-    batch_size: int = 128
+    batch_size: int = DistillConfig.batch_size
     """responses per step"""
-    lr: float = 1e-3
+    lr: float = DistillConfig.lr
     """Adam learning rate"""
-    grad_every: int = 10
+    grad_every: int = DistillConfig.grad_every
     """gradient-variance probe every this many steps"""
-    probe_size: int = 64
+    probe_size: int = DistillConfig.probe_size
     """responses per probe"""
-    eval_every: int = 10
+    eval_every: int = DistillConfig.eval_every
     """sequence KL every this many steps"""
-    device: str = "cpu"
+    device: str = DistillConfig.device
     """cpu | cuda"""
     n_boot: int = 2000
     """bootstrap resamples"""
