@@ -6,9 +6,7 @@ status 2 and one line on stderr: ``error: what was wrong; what to do``.
 from __future__ import annotations
 
 import argparse
-import shutil
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -68,7 +66,7 @@ def cmd_variance(args) -> int:
 def cmd_train(args) -> int:
     from lab.configs import estimator_pairs, from_args, to_dict
     from lab.engine.training import TrainConfig, train
-    from lab.runs import check_out_dir, remove_empty, write_run
+    from lab.runs import atomic_dir, check_out_dir, write_run, write_run_files
 
     nested = estimator_pairs(args.hyper)
     name = args.estimator or TrainConfig.estimator
@@ -82,17 +80,10 @@ def cmd_train(args) -> int:
     if not args.rollout_log:
         result = train(cfg)
         write_run(out, {"command": "train", **to_dict(cfg)}, result.table, result.summary)
-    else:  # the log is staged beside the run folder (one file system, so moving it in is a rename)
-        made = [p for p in (out.absolute().parent, *out.absolute().parents) if not p.exists()]
-        out.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
-                log = Path(tmp) / "rollout_log"
-                result = train(cfg, rollout_log=log)
-                write_run(out, {"command": "train", **to_dict(cfg)}, result.table, result.summary,
-                          {"rollout_log": lambda dest: shutil.move(log, dest)})
-        finally:
-            remove_empty(made)
+    else:  # the log is written inside the run's own staging folder and moves in with it
+        with atomic_dir(out) as stage:
+            result = train(cfg, rollout_log=stage / "rollout_log")
+            write_run_files(stage, {"command": "train", **to_dict(cfg)}, result.table, result.summary)
     log = args.rollout_log
     print(f"wrote {out} ({len(result.table)} updates{', with its rollout log' if log else ''}); "
           f"{result.summary.get('headline', '')}")
@@ -127,12 +118,12 @@ def cmd_report(args) -> int:
     from lab import reports
     from lab.configs import pairs
     from lab.reports import params as report_params
-    from lab.runs import check_writable
+    from lab.runs import check_file
 
     if args.all:
         if args.name or args.param or args.file or args.params:
             raise LabError("give either a report name (with -p / -f) or --all, not both")
-        check_writable(Path(args.out) / "index.html")  # before any report runs
+        check_file(Path(args.out) / "index.html")  # before any report runs
         n, done, t0, lock = len(reports.names()), [0], time.perf_counter(), threading.Lock()
 
         def say(kind, name, seconds, error=None):
@@ -155,6 +146,7 @@ def cmd_report(args) -> int:
             print(f"{p.name:<22}{p.kind:<18}{p.default!r:<40} {p.help}")
         return 0
     given = {**(report_params.from_file(args.file) if args.file else {}), **pairs(args.param, "-p")}
+    check_file(Path(args.out) / "index.html")  # the gallery page is refreshed after the build
     path = reports.run_report(args.name, given, out_root=Path(args.out))
     reports.write_index(Path(args.out))  # the gallery shows what the folder holds
     print(f"wrote {path}")
@@ -227,16 +219,39 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _terminate(signum, frame):
+    """SIGTERM (what `timeout`, `docker stop` and batch schedulers send) and SIGHUP stop a command the way Ctrl-C
+    does: staging folders are removed, finished sweep cells kept, worker processes shut down."""
+    raise KeyboardInterrupt
+
+
 def main(argv=None) -> int:
+    import signal
+
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, _terminate)
     try:
         args = build_parser().parse_args(argv)
         return args.func(args)
     except LabError as e:
-        print(f"error: {e}", file=sys.stderr)
+        _say(f"error: {e}")
+        return 2
+    except OSError as e:  # a full disk, a vanished folder: one line; staging was removed on the way out
+        where = f" ({e.filename})" if e.filename else ""
+        _say(f"error: {e.strerror or e}{where}; nothing half-written was kept: free the space or fix the path, then "
+             f"rerun")
         return 2
     except KeyboardInterrupt:
-        print("error: interrupted; nothing was written", file=sys.stderr)
+        _say("error: interrupted; nothing half-written was kept")
         return 130
+
+
+def _say(line: str) -> None:
+    """The error line, after any progress bar still open (so it is the last line)."""
+    from lab.progress import close_all
+
+    close_all()
+    print(line, file=sys.stderr, flush=True)
 
 
 if __name__ == "__main__":

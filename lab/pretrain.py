@@ -39,7 +39,7 @@ import toy_envs
 from lab import seeding
 from lab.configs import seed_arg
 from lab.errors import LabError
-from lab.runs import cache_dir
+from lab.runs import cache_dir, check_cache_dir
 from lab.policies import transformer
 from lab.policies.transformer import (SIZES, TransformerConfig, TransformerPolicy, env_config, parameter_count,
                                       size_config)
@@ -49,6 +49,7 @@ from lab.seeding import generator
 FORMAT = 1
 LR, BETAS, WARMUP, CLIP, BATCH = 3e-3, (0.9, 0.99), 50, 1.0, 128
 DEFAULT_SIZE, DEFAULT_TARGET, DEFAULT_MAX_STEPS = "small", 0.5, 5000
+MAX_STEPS_LIMIT = 1_000_000
 
 
 @dataclass(frozen=True)
@@ -83,9 +84,10 @@ def _check(env, size: str, target_accuracy: float, max_steps: int, device: str):
     cfg = size_config(size)
     if not (isinstance(target_accuracy, (int, float)) and 0 < target_accuracy < 1):
         raise LabError(f"target accuracy must lie strictly between 0 and 1, got {target_accuracy}")
-    if not isinstance(max_steps, int) or max_steps < 1:
-        raise LabError(f"max steps must be a positive integer, got {max_steps}")
+    if not isinstance(max_steps, int) or isinstance(max_steps, bool) or not 1 <= max_steps <= MAX_STEPS_LIMIT:
+        raise LabError(f"max steps must be a whole number from 1 to {MAX_STEPS_LIMIT:,}, got {max_steps}")
     check_device(device)
+    check_cache_dir()  # before training a checkpoint it could not keep
     return cfg
 
 

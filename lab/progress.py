@@ -16,3 +16,9 @@ def quiet() -> bool:
 def bar(total: int, desc: str, enabled: bool | None = None, **kw) -> tqdm:
     """A tqdm bar; ``enabled=None`` follows the environment, False always hides it."""
     return tqdm(total=total, desc=desc, disable=quiet() or enabled is False, **kw)
+
+
+def close_all() -> None:
+    """Close every open bar (their last line goes out now), so that an error printed next is the last line."""
+    for b in list(getattr(tqdm, "_instances", ())):
+        b.close()

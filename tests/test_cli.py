@@ -46,19 +46,19 @@ def test_default_variance_study_runs(tmp_path):
 @pytest.mark.parametrize("args,needle", [
     (["--env", "nope"], "unknown env 'nope'"),
     (["--estimators", "seq_is,vespo9"], "unknown estimator 'vespo9'"),
-    (["--values", "0,-2"], "non-negative"),
-    (["--staleness", "kl", "--values", "-0.1"], "non-negative"),
+    (["--values", "0,-2"], "values must be >= 0"),
+    (["--staleness", "kl", "--values", "-0.1"], "values must be >= 0"),
     (["--staleness", "temperature", "--values", "0"], "positive"),
     (["--values", "nan"], "finite"),
-    (["--batch-size", "0"], "batch size must be at least 1"),
+    (["--batch-size", "0"], "batch_size must be >= 1"),
     (["--group-size", "1"], "groups of at least 2"),
     (["--env", "large_parity"], "Monte Carlo"),
     (["--set", "length=14"], "enumeration limit"),
     (["--set", "colour=1"], "unknown env field"),
     (["--hyper", "ppo_clip.eps=0.1"], "no hyper-parameter"),
-    (["--init-scale", "nan"], "init scale"),
-    (["--agg", "sum"], "loss_agg_mode"),
-    (["--replicates", "x"], "invalid int value"),
+    (["--init-scale", "nan"], "--init-scale must be a finite number"),
+    (["--agg", "sum"], "--agg must be one of"),
+    (["--replicates", "x"], "--replicates must be a whole number"),
 ])
 def test_bad_input_is_one_clear_line_and_leaves_nothing(tmp_path, capsys, args, needle):
     out = tmp_path / "run"
@@ -79,7 +79,7 @@ def test_bad_input_through_the_installed_command(tmp_path):
 def test_existing_foreign_output_is_refused(tmp_path):
     (tmp_path / "keep.txt").write_text("precious")
     p = run("variance", "--replicates", "5", "--out", str(tmp_path))
-    assert p.returncode == 2 and "not a run folder" in p.stderr
+    assert p.returncode == 2 and "folder the lab did not write" in p.stderr
     assert (tmp_path / "keep.txt").read_text() == "precious"
 
 

@@ -17,14 +17,14 @@ def one_line(capsys, needle: str) -> None:
     (["variance", "--out", " "], "an empty path"),
     (["train", "--estimator", "tis_seq", "--hyper", "tis_seq.cap=2", "--hyper", "tis_seq.cap=3"], "twice"),
     (["train", "--set", "length=3", "--set", "length=4"], "twice"),
-    (["train", "--rollout-batch", "1000000000"], "GiB"),
-    (["train", "--lr", "1e300"], "float32 holds"),
+    (["train", "--policy", "transformer", "--env", "chain6", "--rollout-batch", "1000000"], "GiB"),
+    (["train", "--lr", "1e300"], "lr must be > 0 and <= 1000"),
     (["report", "--all", "--workers", "0"], "positive whole number"),
     (["sweep", "spec.yaml", "--workers", "-1"], "positive whole number"),
     (["diagnose", ".", "--seed", "-1"], "between 0 and 2^63 - 1"),
     (["pretrain", "--task", "chain3", "--seed", "-1"], "between 0 and 2^63 - 1"),
     (["variance", "--env", "large_parity", "--policy", "markov", "--reference", "mc", "--mc-samples",
-      "1000000000000"], "use fewer --mc-samples"),
+      "100000000"], "use fewer --mc-samples"),
     (["diagnose", ".", "--seed", "100000000000000000000"], "between 0 and 2^63 - 1"),
 ])
 def test_bad_values_are_one_line_and_exit_2(tmp_path, monkeypatch, capsys, argv, needle):
@@ -58,7 +58,8 @@ def test_train_without_out_writes_under_runs_from_an_empty_folder(tmp_path, monk
 
 def test_a_sweep_whose_only_cell_fails_leaves_no_folder_and_says_so(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
-    Path("s.yaml").write_text("name: s\nbase: {env: tiny_target, steps: 2, lr: 0.1}\ngrid:\n  init_scale: [1.0e+300]\n")
+    Path("s.yaml").write_text("name: s\nbase: {env: tiny_target, steps: 2, regime: async, lag_dist: geometric, "
+                              "lag_p: 1.0e-6, lag_max: 10000, eta: 0}\ngrid:\n  seed: [0]\n")  # drop cannot fill a rollout
     assert main(["sweep", "s.yaml", "--workers", "1"]) == 2
     one_line(capsys, "nothing was written")
     assert os.listdir(tmp_path) == ["s.yaml"]

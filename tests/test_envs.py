@@ -79,5 +79,5 @@ def test_make_rejects_unknown_names_and_fields():
         toy_envs.make("nope")
     with pytest.raises(LabError, match="unknown env field"):
         toy_envs.make("tiny_target", colour=3)
-    with pytest.raises(LabError, match="positive integer"):
+    with pytest.raises(LabError, match="whole number from 1"):
         toy_envs.make("tiny_target", length=0)

@@ -72,24 +72,28 @@ def _agree(results: dict, rtol: float) -> None:
     for name in names[1:]:
         res = results[name]
         assert list(res.metric) == list(ref.metric) and list(res.estimator) == list(ref.estimator)
+        cos = ref.metric.str.startswith("cos").to_numpy()  # cosines of near-zero clipped gradients: in [-1, 1]
         for col in ("value", "lo", "hi"):
-            assert np.allclose(res[col], ref[col], rtol=rtol, atol=rtol * scale, equal_nan=True), (name, col)
+            assert np.allclose(res[col][~cos], ref[col][~cos], rtol=rtol, atol=rtol * scale, equal_nan=True), \
+                (name, col)
+            assert np.allclose(res[col][cos], ref[col][cos], rtol=0, atol=100 * rtol, equal_nan=True), (name, col)
 
 
 def test_numbers_do_not_depend_on_the_chunk_size(blocks):
     """Within the budget (every estimate kept): one vmap call, chunks of 1 and of 5. Beyond it (a budget of 4
-    replicates: the Gram built block by block): chunks from the budget, of 1 and of 3. Each family agrees to 1e-12
-    (float64 statistics). The two families differ only by the float32 rounding of the target that the in-memory
-    path applies (``streamed_metrics``), far below the intervals."""
+    replicates: the Gram built block by block): chunks from the budget, of 1 and of 3. Every run agrees to 1e-4 of
+    the largest MSE (a replicate dropped or counted twice would move the variance by 1/M = 4%): a network's
+    per-replicate float32 gradients can differ in their last bits with the chunk size on CPUs whose matrix kernels
+    depend on the batch shape (the ratios and debiased squared biases amplify that a little; cosines, of gradients that
+    PPO's clip can make nearly zero, agree to 1e-2), and the two families differ by the float32 rounding of the
+    target that the in-memory path applies (``streamed_metrics``)."""
     small = _budget()
     within = {"whole": _config(), "chunk 1": _config(chunk=1), "chunk 5": _config(chunk=5)}
     beyond = {"budget": _config(memory_budget=small), "budget, chunk 1": _config(memory_budget=small, chunk=1),
               "budget, chunk 3": _config(memory_budget=small, chunk=3)}
     within = {k: variance.run(cfg, progress=False).results for k, cfg in within.items()}
     beyond = {k: variance.run(cfg, progress=False).results for k, cfg in beyond.items()}
-    _agree(within, 1e-12)
-    _agree(beyond, 1e-12)
-    _agree({**within, **beyond}, 1e-6)
+    _agree({**within, **beyond}, 1e-4)
     assert {rows for rows, _ in blocks} >= {1, 3, 5, ROWS, 24}
 
 
@@ -99,7 +103,7 @@ def test_memory_validation_covers_network_policies():
         _config(chunk=40, replicates=64, memory_budget=budget).validate()
     with pytest.raises(LabError, match="Gram matrix"):
         _config(replicates=400, memory_budget=budget).validate()
-    with pytest.raises(LabError, match="memory budget"):
+    with pytest.raises(LabError, match="memory_budget must be > 0"):
         _config(memory_budget=0.0).validate()
     _config(replicates=150, memory_budget=budget).validate()  # 37 times the budget's rows: streamed, accepted
     need = streamed_memory(150, D, budget_chunk(D, int(budget * 2**30)), int(budget * 2**30))

@@ -36,7 +36,7 @@ def page(built) -> str:
 
 
 def test_report_folder_holds_notebook_html_and_run_files(built):
-    assert {p.name for p in built.iterdir()} == {f"{NAME}.ipynb", f"{NAME}.html"} | RUN_FILES
+    assert {p.name for p in built.iterdir()} == {f"{NAME}.ipynb", f"{NAME}.html", ".lab"} | RUN_FILES
     config = json.loads((built / "config.json").read_text())
     assert config["replicates"] == 40 and config["values"] == [0, 4] and config["versions"]["papermill"]
     summary = json.loads((built / "summary.json").read_text())

@@ -17,6 +17,7 @@ import pytest
 from lab.errors import LabError
 from lab.engine.sweep import SweepSpec, _write_cell, cell_id, expand, load_results, load_spec, run_sweep
 from lab.engine.training import TrainConfig
+from lab.runs import marker
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = dict(env="tiny_target", steps=2, rollout_batch=16, group_size=4)  # a cell trains in well under a second
@@ -93,7 +94,8 @@ def test_sweep_killed_at_a_random_point_resumes_without_losing_or_duplicating_ce
     print(f"killed after {delay:.2f} s with {len(finished)} of 8 cells written")
     assert 0 < len(finished) < 8  # interrupted part-way: the test exercises a real resume
     # every cell present is complete
-    assert all(sorted(os.listdir(cells / n)) == ["config.json", "steps.parquet", "summary.json"] for n in finished)
+    assert all(sorted(os.listdir(cells / n)) == [".lab", "config.json", "steps.parquet", "summary.json"]
+               for n in finished)
 
     status = run_sweep(SPEC, out, "local", workers=2, progress=False)
     assert status == {"done": 8 - len(finished), "skipped": len(finished), "total": 8}
@@ -104,13 +106,23 @@ def test_sweep_killed_at_a_random_point_resumes_without_losing_or_duplicating_ce
     assert run_sweep(SPEC, out, "local", workers=2) == {"done": 0, "skipped": 8, "total": 8}
 
 
+def _dead_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
 def test_leftovers_of_a_killed_write_are_removed_and_a_failed_write_leaves_nothing(tmp_path, reference):
     out = tmp_path / "sweep"
-    (out / "cells" / ".0123456789abcdef.x1y2").mkdir(parents=True)  # what a kill mid-write would leave
-    (out / "cells" / ".0123456789abcdef.x1y2" / "config.json").write_text("{")  # (killed before sweep.json too)
+    left = out / "cells" / ".0123456789abcdef.lab-x1y2z3"  # what a kill -9 mid-write leaves: a marked staging folder
+    left.mkdir(parents=True)
+    (left / ".lab").write_text(json.dumps({**marker("cell", staging=True), "pid": _dead_pid(), "start": None}))
+    (left / "config.json").write_text("{")
+    (out / "cells" / ".git").mkdir()  # a hidden folder the lab did not write: never touched
+    (out / ".lab").write_text(json.dumps(marker("sweep")))  # (the sweep folder itself is the lab's)
     spec = SweepSpec("one", TINY, {"seed": [0]})
     assert run_sweep(spec, out, workers=1) == {"done": 1, "skipped": 0, "total": 1}
-    assert cell_dirs(out) == [cell_id(expand(spec)[0])]
+    assert cell_dirs(out) == sorted([".git", cell_id(expand(spec)[0])])
 
     class Broken:
         def to_parquet(self, path, index=False):
@@ -119,7 +131,7 @@ def test_leftovers_of_a_killed_write_are_removed_and_a_failed_write_leaves_nothi
 
     with pytest.raises(OSError):
         _write_cell(out / "cells", "feedfacefeedface", {}, {"table": Broken(), "summary": {}}, {})
-    assert cell_dirs(out) == [cell_id(expand(spec)[0])]
+    assert cell_dirs(out) == sorted([".git", cell_id(expand(spec)[0])])
 
 
 def test_growing_a_spec_runs_only_the_new_cells(tmp_path):
@@ -235,13 +247,19 @@ def test_bad_spec_files(tmp_path, text, message):
 def test_out_dir_that_is_not_a_sweep_or_is_locked_is_refused(tmp_path):
     (tmp_path / "other").mkdir()
     (tmp_path / "other" / "notes.txt").write_text("mine")
-    with pytest.raises(LabError, match="is not a sweep folder"):
+    with pytest.raises(LabError, match="is a folder the lab did not write"):
         run_sweep(SweepSpec("one", TINY, {"seed": [0]}), tmp_path / "other")
     with pytest.raises(LabError, match="is not a sweep folder"):
         load_results(tmp_path / "other")
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "cells").mkdir()  # a folder that happens to hold cells/ is not the lab's either
+    (tmp_path / "model" / "cells" / ".git").mkdir()
+    with pytest.raises(LabError, match="is a folder the lab did not write"):
+        run_sweep(SweepSpec("one", TINY, {"seed": [0]}), tmp_path / "model")
+    assert (tmp_path / "model" / "cells" / ".git").is_dir()
     out = tmp_path / "busy"
     out.mkdir()
-    (out / "sweep.json").write_text("{}")
+    (out / ".lab").write_text(json.dumps(marker("sweep")))
     with open(out / ".lock", "w") as held:
         fcntl.flock(held, fcntl.LOCK_EX)  # another sweep holds it
         with pytest.raises(LabError, match="another sweep is writing"):
@@ -249,9 +267,9 @@ def test_out_dir_that_is_not_a_sweep_or_is_locked_is_refused(tmp_path):
 
 
 def test_a_cell_that_fails_at_run_time_does_not_stop_the_others(tmp_path):
-    # async + drop with lags that never fall within eta passes validation but cannot fill a rollout
-    base = dict(TINY, regime="async", lag_dist="constant", lag_max=4, over_stale="drop", steps=8)
-    spec = SweepSpec("f", base, {"eta": [4, 0]})
+    # async + drop with lags that almost never fall within eta passes validation but cannot fill a rollout
+    base = dict(TINY, regime="async", lag_dist="geometric", lag_p=1e-6, lag_max=10_000, over_stale="drop", steps=8)
+    spec = SweepSpec("f", base, {"eta": [10_000, 0]})
     with pytest.raises(LabError, match=r"1 of 2 sweep cells failed \(first: cell 1, eta=0: .*raise eta.*rerun"):
         run_sweep(spec, tmp_path / "f", workers=2)
     assert len(load_results(tmp_path / "f")[1]) == 1

@@ -34,7 +34,10 @@ def _marked(marker: str) -> list[int]:
 
 
 @pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="needs Linux /proc to find the processes")
-def test_sigkilled_sweep_leaves_no_workers_and_resumes(tmp_path):
+@pytest.mark.parametrize("how", ["kill", "kill, never reaped", "term, never reaped"])
+def test_a_killed_sweep_leaves_no_process_and_resumes(tmp_path, how):
+    """SIGKILL or SIGTERM of the driver: its fork server and workers exit within seconds, also while the driver stays
+    a zombie because its parent still holds its output pipe (a pid probe takes a zombie for alive)."""
     spec = tmp_path / "slow.yaml"
     spec.write_text(SPEC)
     marker = f"LAB_SWEEP_MARK={uuid.uuid4().hex}"
@@ -42,17 +45,22 @@ def test_sigkilled_sweep_leaves_no_workers_and_resumes(tmp_path):
     env = {**os.environ, key: value, "LAB_QUIET": "1"}
     out = tmp_path / "run"
     driver = subprocess.Popen([str(LAB), "sweep", str(spec), "--workers", "2", "--out", str(out)], env=env,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     deadline = time.time() + 60
-    while len(_marked(marker)) < 3 and time.time() < deadline:  # the driver, the fork server and workers
+    while len(_marked(marker)) < 4 and time.time() < deadline:  # the driver, the fork server and two workers
         time.sleep(0.2)
-    assert len(_marked(marker)) >= 3, "the sweep did not start its workers"
-    driver.send_signal(signal.SIGKILL)
-    driver.wait()
+    assert len(_marked(marker)) >= 4, "the sweep did not start its workers"
+    driver.send_signal(signal.SIGTERM if how.startswith("term") else signal.SIGKILL)
+    if "never reaped" not in how:
+        driver.wait()
     deadline = time.time() + 20
     while _marked(marker) and time.time() < deadline:
         time.sleep(0.2)
     assert _marked(marker) == []
+    driver.wait()  # reaped only now
+    if how.startswith("term"):
+        err = driver.stderr.read().decode().strip().splitlines()
+        assert driver.returncode == 130 and len(err) == 1 and err[0].startswith("error: interrupted"), err
     done = subprocess.run([str(LAB), "sweep", str(spec), "--workers", "2", "--out", str(out)], env=env,
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr

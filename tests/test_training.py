@@ -200,15 +200,15 @@ def test_collapse_fires_on_a_collapsing_run_and_not_on_a_healthy_one(test_estima
 @pytest.mark.parametrize("overrides, words", [
     (dict(minibatches=3), "do not divide"),
     (dict(eta=-1), "eta"),
-    (dict(regime="replay"), "unknown regime"),
+    (dict(regime="replay"), "regime must be one of"),
     (dict(group_size=1, rollout_batch=8, advantage="rloo"), "at least 2"),
     (dict(estimator="gvpo", group_size=8, minibatches=16), "whole groups"),
     (dict(estimator="opd"), "does not estimate a reward gradient"),
     (dict(estimator="nope"), "unknown estimator"),
-    (dict(logprob_noise=0.1), "only to regime 'mismatch'"),
+    (dict(logprob_noise=0.1), "applies only with regime mismatch"),
     (dict(regime="mismatch", router_flip_p=1.5), "router_flip_p"),
-    (dict(regime="async", over_stale="wait"), "over-stale policy"),
-    (dict(lr=0.0), "learning rate"),
+    (dict(regime="async", over_stale="wait"), "over_stale must be one of"),
+    (dict(lr=0.0), "lr must be > 0"),
     (dict(steps=0), "steps"),
 ])
 def test_bad_input_raises_lab_error(overrides, words):
@@ -217,9 +217,15 @@ def test_bad_input_raises_lab_error(overrides, words):
 
 
 def test_drop_that_cannot_fill_a_rollout_is_refused():
-    cfg = TrainConfig(**dict(FAST, steps=5), regime="async", lag_dist="constant", lag_max=3, eta=0, over_stale="drop")
-    with pytest.raises(LabError, match="cannot fill"):
-        train(cfg, progress=False)
+    certain = TrainConfig(**dict(FAST, steps=5), regime="async", lag_dist="constant", lag_max=3, eta=0,
+                          over_stale="drop")
+    with pytest.raises(LabError, match="would drop them all"):  # known before any work
+        certain.validate()
+    nearly = TrainConfig(**dict(FAST, steps=5), regime="async", lag_dist="geometric", lag_p=1e-6, lag_max=10_000,
+                         eta=0, over_stale="drop")
+    nearly.validate()
+    with pytest.raises(LabError, match="cannot fill"):  # found while drawing
+        train(nearly, progress=False)
 
 
 # ------------------------------------------------------------------------------------------ reproducibility

@@ -23,6 +23,7 @@ from lab.errors import LabError
 
 REWARDS = ("target", "parity", "dense", "bernoulli")
 DEFAULT_ENUM_LIMIT = 2**20
+MAX_PROMPTS, MAX_VOCAB, MAX_LENGTH = 1_000_000, 1_000_000, 100_000  # beyond any table or network the lab can hold
 
 
 @dataclass(frozen=True)
@@ -41,10 +42,10 @@ class SequenceBandit:
     def __post_init__(self):
         if self.reward not in REWARDS:
             raise LabError(f"unknown reward family {self.reward!r}; choose one of {', '.join(REWARDS)}")
-        for field in ("n_prompts", "vocab_size", "length"):
+        for field, most in (("n_prompts", MAX_PROMPTS), ("vocab_size", MAX_VOCAB), ("length", MAX_LENGTH)):
             value = getattr(self, field)
-            if not isinstance(value, int) or value < 1:
-                raise LabError(f"env field {field} must be a positive integer, got {value!r}")
+            if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= most:
+                raise LabError(f"env field {field} must be a whole number from 1 to {most:,}, got {value!r}")
         if self.vocab_size < 2 or (self.eos and self.vocab_size < 3):
             raise LabError("vocab_size must be at least 2 (3 with eos=True)")
 
@@ -55,7 +56,9 @@ class SequenceBandit:
         V, T = self.vocab_size, self.length
         if not self.eos:
             return V**T
-        return sum((V - 1) ** t for t in range(T)) + (V - 1) ** T
+        # responses ending in the end token at positions 1..T (sum_{t<T} (V-1)^t), plus those without it
+        head = T if V == 2 else ((V - 1) ** T - 1) // (V - 2)
+        return head + (V - 1) ** T
 
     @property
     def num_pairs(self) -> int:
@@ -164,8 +167,7 @@ def make(name: str, **overrides) -> SequenceBandit:
     """A named preset, with fields overridden by keyword (``make('tiny_target', length=6)``)."""
     if name not in _PRESETS:
         raise LabError(f"unknown env {name!r}; known envs: {', '.join(_PRESETS)} (see `lab envs`)")
-    fields = {f.name for f in dataclasses.fields(SequenceBandit)} - {"name", "description"}
-    unknown = set(overrides) - fields
-    if unknown:
-        raise LabError(f"unknown env field(s) {', '.join(sorted(unknown))}; settable: {', '.join(sorted(fields))}")
+    from lab.typed import check_overrides
+
+    overrides = check_overrides(SequenceBandit, overrides, "env field", fixed=("name", "description"))
     return dataclasses.replace(_PRESETS[name], **overrides)

@@ -120,9 +120,11 @@ class Task:
             value = getattr(self, field)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise LabError(f"env field {field} must be a positive integer, got {value!r}")
-        if not isinstance(self.distractors, int) or isinstance(self.distractors, bool) or self.distractors < 0:
-            raise LabError(f"env field distractors must be a non-negative integer, got {self.distractors!r}")
-        if not isinstance(self.n_heldout, int) or self.n_heldout < 0:
+        if not isinstance(self.distractors, int) or isinstance(self.distractors, bool) or \
+                not 0 <= self.distractors <= 1_000_000:
+            raise LabError(f"env field distractors must be a whole number from 0 to 1,000,000, got "
+                           f"{self.distractors!r}")
+        if not isinstance(self.n_heldout, int) or isinstance(self.n_heldout, bool) or self.n_heldout < 0:
             raise LabError(f"env field n_heldout must be a non-negative integer, got {self.n_heldout!r}")
         if self.difficulty > 8:
             raise LabError(f"difficulty {self.difficulty} is too large; use at most 8")
@@ -324,8 +326,7 @@ def make(name: str, **overrides) -> Task:
     """A named task preset with fields overridden by keyword (``make('add2', n_prompts=64)``)."""
     if name not in PRESETS:
         raise LabError(f"unknown task env {name!r}; known: {', '.join(PRESETS)}")
-    fields = {f.name for f in dataclasses.fields(Task)} - {"name", "description"}
-    unknown = set(overrides) - fields
-    if unknown:
-        raise LabError(f"unknown env field(s) {', '.join(sorted(unknown))}; settable: {', '.join(sorted(fields))}")
+    from lab.typed import check_overrides
+
+    overrides = check_overrides(Task, overrides, "env field", fixed=("name", "description"))
     return _described(dataclasses.replace(PRESETS[name], **overrides)) if overrides else PRESETS[name]

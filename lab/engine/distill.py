@@ -61,6 +61,7 @@ import torch
 
 import toy_envs
 from lab.configs import check_types, check_unique
+from lab.runs import check_cache_dir
 from lab.engine.batches import Batch
 from lab.engine.estimator import Estimator
 from lab.engine.gradients import replicate_gradients
@@ -155,6 +156,7 @@ class DistillConfig:
     def validate(self) -> None:
         """Check every field; raises LabError with one sentence for bad input."""
         check_types(self)
+        check_cache_dir()  # the teacher and the student start from cached warm starts
         if not isinstance(toy_envs.make(self.env), toy_envs.Task):
             raise LabError(f"env {self.env!r} is not a task env; distillation needs one of "
                            f"{', '.join(toy_envs.tasks.names())}")

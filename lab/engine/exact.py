@@ -27,6 +27,7 @@ from lab.policies import Policy, sample, sequence_log_probs, token_log_probs
 
 REFERENCES = ("exact", "mc")
 NETWORK_CHUNK = 2048  # (prompt, response) pairs per forward / backward pass of a network policy
+LOGITS_BUDGET = 1 << 30  # bytes of logits (and their log-softmax and gradient) in one enumeration pass
 MC_GROUPS = 32  # batches of a Monte Carlo reference sample behind the standard error of its grad J
 
 
@@ -67,18 +68,20 @@ class Problem:
         raise LabError(f"unknown reference {self.reference!r}; choose exact or mc")
 
 
-def chunks(policy: Policy, n: int) -> list[slice]:
+def chunks(policy: Policy, n: int, length: int = 1) -> list[slice]:
     """Slices of n pairs for one pass each: all at once for tabular policies, NETWORK_CHUNK for networks (their
-    activations over every enumerated pair would not fit in memory)."""
+    activations over every enumerated pair would not fit in memory), and never more pairs than keep a pass's float64
+    logits, log-softmax and gradient (3 x length x V per pair) within LOGITS_BUDGET."""
     size = n if policy.gradient_backend == "rows" else NETWORK_CHUNK
-    return [slice(s, min(s + size, n)) for s in range(0, max(n, 1), max(size, 1))]
+    size = max(1, min(size, LOGITS_BUDGET // (24 * max(length, 1) * policy.vocab_size)))
+    return [slice(s, min(s + size, n)) for s in range(0, max(n, 1), size)]
 
 
 def exact_support(env, policy: Policy, theta, enum_limit: int) -> Support:
     prompts, tokens, mask = env.enumerate(enum_limit)
     with torch.no_grad():
         logp = torch.cat([sequence_log_probs(policy, theta.double(), prompts[c], tokens[c], mask[c])
-                          for c in chunks(policy, prompts.shape[0])])
+                          for c in chunks(policy, prompts.shape[0], tokens.shape[1])])
     return Support(prompts, tokens, mask, torch.exp(logp) / env.n_prompts, True)
 
 
@@ -87,7 +90,7 @@ def pullback(policy: Policy, theta, prompts, tokens, coef: torch.Tensor) -> torc
     in chunks of pairs (one backward pass each)."""
     theta = theta.detach().double().requires_grad_(True)
     total = torch.zeros_like(theta)
-    for c in chunks(policy, prompts.shape[0]):
+    for c in chunks(policy, prompts.shape[0], tokens.shape[1]):
         lp = token_log_probs(policy, theta, prompts[c], tokens[c])
         (g,) = torch.autograd.grad((coef[c] * lp).sum(), theta)
         total += g
@@ -160,7 +163,7 @@ def _pair_terms(pi: tuple, mu: tuple, s: Support):
     """Per pair of the support: L, the per-token chi2 summed over the response, and the length |y|."""
     with torch.no_grad():
         L, chi2_t = map(torch.cat, zip(*[_log_weights(pi, mu, s.prompts[c], s.tokens[c], s.mask[c])
-                                         for c in chunks(pi[0], s.prompts.shape[0])]))
+                                         for c in chunks(pi[0], s.prompts.shape[0], s.tokens.shape[1])]))
     return L, chi2_t.sum(-1), s.mask.sum(-1)
 
 

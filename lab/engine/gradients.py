@@ -169,7 +169,7 @@ def expected_gradient(env, policy, theta_pi, mu: tuple, support_mu, est: Estimat
     s = support_mu
     with torch.no_grad():
         old = torch.cat([token_log_probs(mu[0], mu[1].double(), s.prompts[c], s.tokens[c])
-                         for c in chunks(policy, s.prompts.shape[0])]) * s.mask
+                         for c in chunks(policy, s.prompts.shape[0], s.tokens.shape[1])]) * s.mask
     adv = env.expected_reward(s.prompts, s.tokens, s.mask)[:, None] * s.mask
     if policy.gradient_backend == "rows":  # one pass: the tabular numbers exactly as they always were
         theta = theta_pi.detach().double().requires_grad_(True)
@@ -182,7 +182,7 @@ def expected_gradient(env, policy, theta_pi, mu: tuple, support_mu, est: Estimat
         return -g.reshape(-1)
     with torch.no_grad():  # networks: the coefficients on the log-probs, then one chunked pull-back
         lp = torch.cat([token_log_probs(policy, theta_pi.double(), s.prompts[c], s.tokens[c])
-                        for c in chunks(policy, s.prompts.shape[0])]) * s.mask
+                        for c in chunks(policy, s.prompts.shape[0], s.tokens.shape[1])]) * s.mask
     lp_leaf = lp.requires_grad_(True)
     loss, _ = est.loss_on_log_probs(lp_leaf, old, adv, s.mask)
     (coef,) = torch.autograd.grad(loss, lp_leaf)

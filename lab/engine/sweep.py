@@ -33,7 +33,6 @@ what it can, then raises ``LabError`` naming the failed cells; rerun to retry th
 """
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import itertools
 import json
@@ -43,21 +42,22 @@ import re
 import shutil
 import socket
 import threading
-import time
-from contextlib import closing
+from contextlib import closing, contextmanager
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 import pandas as pd
 import torch
-import yaml
 
 from lab.errors import LabError
+from lab.inputs import load_yaml
 from lab.progress import bar
-from lab.runs import atomic_dir, check_writable, git_revision, package_versions, remove_empty, write_json
+from lab.runs import (MARKER, jsonable, atomic_dir, check_out_dir, clean_leftovers, exclusive_lock, git_revision, marker,
+                      package_versions, read_marker, remove_empty, write_atomic, write_json)
 
 EXECUTORS = ("local", "ray")
+MAX_CELLS = 10_000  # cells in one spec (each is validated before any runs)
 CELL_KINDS = {  # kind: (module, config class, run function returning an object with .table and .summary)
     "train": ("lab.engine.training", "TrainConfig", "train"),  # RL training (tabular or transformer policies)
     "distill": ("lab.engine.distill", "DistillConfig", "distil"),  # on-policy distillation from a teacher
@@ -91,15 +91,10 @@ def _fields(kind: str) -> set:
 
 # ------------------------------------------------------------------------------------------------ specs
 def load_spec(path) -> SweepSpec:
-    """Read a YAML spec with keys ``name``, ``kind`` (optional, default train), ``base`` (optional) and ``grid``;
-    LabError on bad input."""
+    """Read a YAML spec with keys ``name``, ``kind`` (optional, default train), ``base`` (optional) and ``grid``
+    (plain data only, bounded: ``lab.inputs``); LabError on bad input."""
     path = Path(path)
-    if not path.is_file():
-        raise LabError(f"sweep spec {path} does not exist; pass a YAML file with keys name, base, grid")
-    try:
-        raw = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as e:
-        raise LabError(f"sweep spec {path} is not valid YAML ({str(e).splitlines()[0]})") from None
+    raw = load_yaml(path, "sweep spec")
     if not isinstance(raw, dict):
         raise LabError(f"sweep spec {path} must be a mapping with keys name, base, grid")
     unknown = sorted(set(raw) - {"name", "kind", "base", "grid"})
@@ -134,9 +129,13 @@ def _check_spec(spec: SweepSpec) -> None:
                            f"see {config_cls.__module__}.{config_cls.__name__} for the fields")
     if not spec.grid:
         raise LabError("a sweep needs a grid with at least one key (e.g. grid: {seed: [0, 1]})")
+    cells = 1
     for key, values in spec.grid.items():
         if not isinstance(values, list) or not values:
             raise LabError(f"grid key {key!r} must map to a non-empty list of values, got {values!r}")
+        cells *= len(values)
+        if cells > MAX_CELLS:
+            raise LabError(f"the grid has more than {MAX_CELLS:,} cells; split the sweep into smaller specs")
     both = sorted(set(spec.base) & set(spec.grid))
     if both:
         raise LabError(f"key(s) {', '.join(both)} appear in both base and grid; keep each in one of them")
@@ -198,15 +197,16 @@ def cell_id(config: dict, kind: str = "train") -> str:
 
 
 # ------------------------------------------------------------------------------------------------ running
-def _die_with(driver: int) -> None:
-    """Worker initializer: exit as soon as the driver process is gone (a killed driver leaves no workers)."""
+def _die_with(lifeline) -> None:
+    """Worker initializer: exit as soon as the driver is gone, whatever its state. ``lifeline`` is the read end of a
+    pipe whose only write end the driver holds; the kernel closes it when the driver exits (a kill -9 and a zombie
+    driver included), and the read then ends. (A pid probe would take a zombie, or a reused pid, for alive.)"""
     def watch():
-        while True:
-            time.sleep(1.0)
-            try:
-                os.kill(driver, 0)
-            except OSError:
-                os._exit(1)
+        try:
+            lifeline.recv_bytes()
+        except (EOFError, OSError):
+            pass
+        os._exit(1)
 
     threading.Thread(target=watch, daemon=True).start()
 
@@ -224,7 +224,7 @@ def _run_cell(kind: str, config: dict) -> dict:
 
 def _write_cell(cells: Path, cid: str, config: dict, out: dict, meta: dict) -> None:
     """Write one cell atomically: a hidden temporary sibling, renamed into place."""
-    with atomic_dir(cells / cid) as tmp:
+    with atomic_dir(cells / cid, kind="cell") as tmp:
         write_json(tmp / "config.json", {**config, "cell_id": cid, **meta})
         out["table"].to_parquet(tmp / "steps.parquet", index=False)
         write_json(tmp / "summary.json", out["summary"])
@@ -235,10 +235,9 @@ def _done(cells: Path, cid: str) -> bool:
 
 
 def _check_folder(out: Path, spec: SweepSpec, ids: list[str]) -> None:
-    """Refuse a folder that is not a sweep folder, or holds finished cells this spec would hide from its results."""
-    is_sweep = (out / "sweep.json").is_file() or (out / "cells").is_dir()  # cells/: a sweep killed at its start
-    if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not is_sweep)):
-        raise LabError(f"output path {out} exists and is not a sweep folder; choose another --out")
+    """Refuse a folder the lab did not write as a sweep folder, or one holding finished cells this spec would hide
+    from its results."""
+    check_out_dir(out, kind="sweep")
     finished = {p.name for p in (out / "cells").glob("[!.]*") if (p / "summary.json").is_file()} \
         if (out / "cells").is_dir() else set()
     hidden = finished - set(ids)
@@ -247,29 +246,30 @@ def _check_folder(out: Path, spec: SweepSpec, ids: list[str]) -> None:
                        f"spec to include them (a grown spec reruns only the new cells) or choose another --out")
 
 
-def _prepare(out: Path, spec: SweepSpec, meta: dict) -> tuple[Path, int]:
-    """Take the folder's lock, drop leftovers of a killed sweep, record the spec. Returns (cells, lock fd)."""
-    cells = out / "cells"
-    cells.mkdir(parents=True, exist_ok=True)
-    lock = os.open(out / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(lock)
-        raise LabError(f"another sweep is writing to {out}; wait for it to finish or choose another --out") from None
-    for leftover in cells.glob(".*"):
-        shutil.rmtree(leftover, ignore_errors=True)
-    tmp = out / ".sweep.json.tmp"
-    write_json(tmp, {"name": spec.name, "kind": spec.kind, "base": spec.base, "grid": spec.grid, **meta})
-    os.replace(tmp, out / "sweep.json")
-    return cells, lock
+@contextmanager
+def _prepare(out: Path, spec: SweepSpec, meta: dict):
+    """Own the folder (its marker), hold its lock, drop leftovers of killed sweeps, record the spec; yields cells/."""
+    out.mkdir(parents=True, exist_ok=True)
+    if read_marker(out) is None:  # a new or empty folder: the lab's from now on
+        write_atomic(out / MARKER, json.dumps(marker("sweep")) + "\n")
+    with exclusive_lock(out / ".lock", f"another sweep is writing to {out}; wait for it to finish or choose another "
+                                       f"--out"):
+        cells = out / "cells"
+        cells.mkdir(exist_ok=True)
+        clean_leftovers(cells)
+        write_atomic(out / "sweep.json", json.dumps(
+            jsonable({"name": spec.name, "kind": spec.kind, "base": spec.base, "grid": spec.grid, **meta}), indent=2)
+            + "\n")
+        yield cells
 
 
 def _run_local(kind: str, configs: list[dict], workers: int):
     """Yield (index, output) as cells finish, on a forkserver process pool."""
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload(["lab.engine.sweep"])  # workers fork from a server that already imported torch
-    pool = ProcessPoolExecutor(max_workers=workers, mp_context=ctx, initializer=_die_with, initargs=(os.getpid(),))
+    lifeline, keep = ctx.Pipe(duplex=False)  # workers hold the read end, this process alone the write end
+    pool = ProcessPoolExecutor(max_workers=workers, mp_context=ctx, initializer=_die_with, initargs=(lifeline,))
+    finished_all = False
     try:
         futures = {pool.submit(_run_cell, kind, c): i for i, c in enumerate(configs)}
         pending = set(futures)
@@ -277,8 +277,13 @@ def _run_local(kind: str, configs: list[dict], workers: int):
             finished, pending = wait(pending, return_when=FIRST_COMPLETED)
             for f in finished:
                 yield futures[f], f.result()
+        finished_all = True
     finally:
+        if not finished_all:  # interrupted or failing: closing the lifeline ends the running cells now
+            keep.close()
         pool.shutdown(wait=True, cancel_futures=True)
+        keep.close()
+        lifeline.close()
 
 
 def _run_ray(kind: str, configs: list[dict], workers: int | None, address: str | None):
@@ -357,35 +362,36 @@ def run_sweep(spec: SweepSpec, out_dir, executor: str = "local", workers: int | 
     configs = expand(spec)
     out = Path(out_dir)
     ids = [cell_id(c, spec.kind) for c in configs]
-    check_writable(out)
     _check_folder(out, spec, ids)
     created = [p for p in (out.absolute(), *out.absolute().parents) if not p.exists()]  # innermost first
     meta = {"versions": package_versions(), "git_revision": git_revision()}
-    cells, lock = _prepare(out, spec, meta)
-    todo = [i for i, cid in enumerate(ids) if not _done(cells, cid)]
-    skipped = len(configs) - len(todo)
-    failed, done = [], 0
+    failed, done, skipped, todo = [], 0, 0, []
     try:
-        with bar(len(configs), f"sweep {spec.name}", progress, initial=skipped, unit="cell") as cells_bar:
-            if todo:
-                pending = [configs[i] for i in todo]
-                n = min(workers or os.cpu_count() or 1, len(todo))
-                if executor == "local":
-                    stream = _run_local(spec.kind, pending, n)
-                else:  # on a cluster without --workers, Ray's own scheduling decides how many run at once
-                    stream = _run_ray(spec.kind, pending, None if address and not workers else n, address)
-                with closing(stream):  # shuts the pool or Ray down now, even if writing a cell fails
-                    for j, output in stream:
-                        i = todo[j]
-                        if "error" in output:
-                            failed.append((i, output["error"]))
-                        else:
-                            _write_cell(cells, ids[i], configs[i], output, meta)
-                            done += 1
-                        cells_bar.update(1)
+        with _prepare(out, spec, meta) as cells:
+            todo = [i for i, cid in enumerate(ids) if not _done(cells, cid)]
+            skipped = len(configs) - len(todo)
+            with bar(len(configs), f"sweep {spec.name}", progress, initial=skipped, unit="cell") as cells_bar:
+                if todo:
+                    pending = [configs[i] for i in todo]
+                    n = min(workers or os.cpu_count() or 1, len(todo))
+                    if executor == "local":
+                        stream = _run_local(spec.kind, pending, n)
+                    else:  # on a cluster without --workers, Ray's own scheduling decides how many run at once
+                        stream = _run_ray(spec.kind, pending, None if address and not workers else n, address)
+                    with closing(stream):  # shuts the pool or Ray down now, even if writing a cell fails
+                        for j, output in stream:
+                            i = todo[j]
+                            if "error" in output:
+                                failed.append((i, output["error"]))
+                            else:
+                                _write_cell(cells, ids[i], configs[i], output, meta)
+                                done += 1
+                            cells_bar.update(1)
+    except OSError as e:
+        raise LabError(f"cannot write the sweep folder {out} ({e.strerror or e}); the finished cells are kept, "
+                       f"rerun to resume") from None
     finally:
-        os.close(lock)
-        if created and not any(cells.iterdir()):  # nothing finished: leave nothing behind
+        if created and not any((out / "cells").glob("[!.]*")):  # this run made the folder and finished nothing
             shutil.rmtree(out, ignore_errors=True)
             remove_empty(created[1:])
     if failed:

@@ -75,7 +75,8 @@ parameter trajectories agree (the tests check it).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import Literal
 
 import numpy as np
 import pandas as pd
@@ -84,13 +85,17 @@ import torch
 import toy_envs
 from lab import advantages as adv_mod
 from lab import diagnostics
-from lab.configs import check_types
+from lab.advantages import ADVANTAGES
+from lab.configs import SEED_MAX, check_types
+from lab.estimators.aggregation import AGG_MODES
 from lab.engine.estimator import Estimator
 from lab.engine.exact import Problem, Support, objective
 from lab.errors import LabError
 from lab.policies import init_params, log_probs_of, make_policy, sample, sequence_log_probs, token_log_probs
 from lab.policies.protocol import is_sampler
 from lab.progress import bar
+from lab.runs import check_cache_dir
+from lab.typed import knob
 from lab.seeding import generator
 
 ROLLOUT_MEMORY_BUDGET = 8 * 2**30  # bytes a rollout batch may need (``TrainConfig.rollout_memory``)
@@ -98,6 +103,7 @@ REGIMES = ("sync", "async", "mismatch")
 SAMPLER_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 LAG_DISTS = ("uniform", "geometric", "constant")
 OVER_STALE = ("drop", "requeue", "keep")
+TRAIN_POLICIES = ("prefix", "markov", "transformer")
 PROVIDED_INPUTS = ("rewards", "group_size", "logits", "rollout_log_probs")  # extra estimator inputs training provides
 MAX_DROP_DRAWS = 1000  # group draws per needed group before ``drop`` gives up
 
@@ -108,76 +114,76 @@ class TrainConfig:
 
     env: str = "tiny_target"
     """toy env preset (see `lab envs`)"""
-    env_overrides: dict = field(default_factory=dict, metadata={"flag": "--set", "parse": "pairs"})
+    env_overrides: dict = knob({}, flag="--set", parse="pairs")
     """env fields to change, e.g. length=3"""
-    policy: str = "prefix"
+    policy: Literal[TRAIN_POLICIES] = "prefix"
     """prefix (any sequence distribution) | markov | transformer (the lab's own network)"""
-    size: str = "small"
+    size: str = knob("small", only=("policy", "transformer"))
     """transformer: model size (test, small, medium, moe, 1m; see lab.policies.transformer.SIZES)"""
-    warm_start: float = 0.0
+    warm_start: float = knob(0.0, ge=0, lt=1, only=("policy", "transformer"))
     """transformer on a task: start from the supervised warm start at this exact-match accuracy (`lab pretrain`,
     cached; 0: a random init at init_scale)"""
-    device: str = "cpu"
+    device: str = knob("cpu", only=("policy", "transformer"))
     """transformer: cpu | cuda, where its parameters live and its passes run"""
-    init_scale: float = 0.5
+    init_scale: float = knob(0.5, ge=0, le=100)
     """initial logits ~ N(0, init_scale^2) (transformer: the scale of the tied head's rows)"""
     estimator: str = "reinforce"
     """any policy-gradient estimator (see `lab estimators`)"""
-    hyper: dict = field(default_factory=dict, metadata={"parse": "estimator_pairs"})
+    hyper: dict = knob({}, parse="estimator_pairs")
     """the estimator's hyper-parameters over its registry defaults (flag: ESTIMATOR.KEY=VALUE)"""
-    advantage: str = "rloo"
+    advantage: Literal[ADVANTAGES] = "rloo"
     """reward | rloo | grpo | drgrpo, over each rollout's groups"""
-    group_size: int = 8
+    group_size: int = knob(8, ge=1, le=4096)
     """G responses per prompt"""
-    rollout_batch: int = 64
+    rollout_batch: int = knob(64, ge=1, le=1_000_000)
     """responses per rollout (a multiple of G)"""
-    minibatches: int = 1
+    minibatches: int = knob(1, ge=1, le=100_000)
     """N: the rollout is split into N mini-batches, one optimiser step each (N - 1 = max lag)"""
-    epochs: int = 1
+    epochs: int = knob(1, ge=1, le=1000)
     """passes over the rollout's mini-batches"""
-    lr: float = 0.1
+    lr: float = knob(0.1, gt=0, le=1e3)
     """Adam learning rate (betas 0.9 / 0.999)"""
-    steps: int = 30
+    steps: int = knob(30, ge=1, le=1_000_000)
     """rollouts; the run makes steps * minibatches * epochs optimiser updates"""
-    regime: str = "sync"
+    regime: Literal[REGIMES] = "sync"
     """sync | async | mismatch"""
-    lag_dist: str = "uniform"
+    lag_dist: Literal[LAG_DISTS] = knob("uniform", only=("regime", "async"))
     """async: distribution of a group's lag on 0..lag_max: uniform | geometric | constant"""
-    lag_max: int = 4
+    lag_max: int = knob(4, ge=0, le=10_000, only=("regime", "async"))
     """async: largest lag the distribution draws"""
-    lag_p: float = 0.5
+    lag_p: float = knob(0.5, gt=0, le=1, only=("regime", "async"))
     """async: success probability of the geometric lag distribution (P(lag = l) ~ (1-p)^l p)"""
-    eta: int = 2
+    eta: int = knob(2, ge=0, le=10_000, only=("regime", "async"))
     """async: staleness bound (AReaL max_head_offpolicyness); groups with lag > eta are over-stale"""
-    over_stale: str = "drop"
+    over_stale: Literal[OVER_STALE] = knob("drop", only=("regime", "async"))
     """async: drop | requeue | keep over-stale groups"""
-    logprob_noise: float = 0.0
+    logprob_noise: float = knob(0.0, ge=0, le=100, only=("regime", "mismatch"))
     """mismatch: std of the sampler's per-token logit noise"""
-    sampler_temperature: float = 1.0
+    sampler_temperature: float = knob(1.0, ge=1e-2, le=100, only=("regime", "mismatch"))
     """mismatch: the sampler's temperature"""
-    router_flip_p: float = 0.0
+    router_flip_p: float = knob(0.0, ge=0, le=1, only=("regime", "mismatch"))
     """mismatch: probability, per token, that the sampler routes to the other expert"""
-    router_scale: float = 1.0
+    router_scale: float = knob(1.0, ge=0, le=100, only=("regime", "mismatch"))
     """mismatch: scale of the other expert's parameters"""
-    sampler_dtype: str = "float32"
+    sampler_dtype: Literal[tuple(SAMPLER_DTYPES)] = knob("float32", only=("policy", "transformer"))
     """transformer, mismatch: the sampler's weights and activations: float32 | bfloat16 | float16"""
-    sampler_kv_cache: bool = True
+    sampler_kv_cache: bool = knob(True, only=("policy", "transformer"))
     """transformer: the sampler decodes with a KV cache (else it recomputes the whole sequence for every token)"""
-    replay_routes: bool = False
+    replay_routes: bool = knob(False, only=("policy", "transformer"))
     """transformer with experts: the trainer replays the sampler's expert routes (Rollout Routing Replay)"""
-    loss_agg_mode: str = "token-mean"
+    loss_agg_mode: Literal[(*AGG_MODES, "native")] = "token-mean"
     """verl aggregation for every estimator, or native: each one's own default"""
-    dtype: str = "float32"
+    dtype: Literal["float32", "float64"] = "float32"
     """trained parameters: float32 | float64 (exact metrics are always float64)"""
-    collapse_warmup: int = 5
+    collapse_warmup: int = knob(5, ge=0, le=1_000_000)
     """updates before the reward-collapse rule (b) applies"""
-    collapse_drop: float = 0.5
+    collapse_drop: float = knob(0.5, gt=0, le=1)
     """rule (b): fraction of the achievable reward range lost from the best so far"""
-    entropy_floor: float = 0.05
+    entropy_floor: float = knob(0.05, ge=0, lt=1)
     """rule (c): per-token entropy floor as a fraction of log V"""
     record_params: bool = False
     """keep the parameters after every update in TrainResult.params"""
-    seed: int = 0
+    seed: int = knob(0, ge=0, le=SEED_MAX)
     """seed of every random stream of the run"""
 
     def make_env(self):
@@ -206,37 +212,21 @@ class TrainConfig:
             raise LabError(f"env {env.name!r} has {env.num_pairs:,} (prompt, response) pairs; training computes exact "
                            f"metrics by enumeration after every update (at most {toy_envs.DEFAULT_ENUM_LIMIT:,} pairs): "
                            f"choose a smaller env (see `lab envs`)")
-        if self.regime not in REGIMES:
-            raise LabError(f"unknown regime {self.regime!r}; choose one of {', '.join(REGIMES)}")
         self._validate_sizes(self._validate_estimator())
-        self._validate_regime()
-        if not (math.isfinite(self.lr) and 0 < self.lr <= torch.finfo(torch.float32).max):
-            raise LabError(f"learning rate must be a positive number that float32 holds (at most 3.4e38), got "
-                           f"{self.lr}")
-        if not (math.isfinite(self.init_scale) and self.init_scale >= 0):
-            raise LabError(f"init scale must be a finite non-negative number, got {self.init_scale}")
-        if self.dtype not in ("float32", "float64"):
-            raise LabError(f"dtype must be float32 or float64, got {self.dtype!r}")
-        if not isinstance(self.collapse_warmup, int) or self.collapse_warmup < 0:
-            raise LabError(f"collapse_warmup must be a non-negative whole number, got {self.collapse_warmup!r}")
-        if not 0 < self.collapse_drop <= 1 or not 0 <= self.entropy_floor < 1:
-            raise LabError("collapse_drop must lie in (0, 1] and entropy_floor in [0, 1)")
+        if self.regime == "async" and self.over_stale == "drop" and self.lag_dist == "constant" and \
+                self.lag_max > self.eta:
+            raise LabError(f"every group lags {self.lag_max} > eta = {self.eta} under the constant lag distribution, "
+                           f"so over-stale policy 'drop' would drop them all; raise eta or lower lag_max")
 
     def _validate_policy(self, env) -> None:
-        transformer_only = {"size": "small", "warm_start": 0.0, "device": "cpu", "sampler_dtype": "float32",
-                            "sampler_kv_cache": True, "replay_routes": False}
-        if self.policy != "transformer":
-            changed = [k for k, v in transformer_only.items() if getattr(self, k) != v]
-            if changed:
-                raise LabError(f"{', '.join(changed)} appl{'ies' if len(changed) == 1 else 'y'} to policy "
-                               f"'transformer' only, not {self.policy!r}")
-            return
         from lab.policies import check_device
         from lab.policies.transformer import size_config
 
+        if self.policy != "transformer":
+            return
         check_device(self.device)
-        if not (math.isfinite(self.warm_start) and 0 <= self.warm_start < 1):
-            raise LabError(f"warm_start is a target accuracy in [0, 1), got {self.warm_start}")
+        if self.warm_start:
+            check_cache_dir()  # before a minute of training whose warm start it would keep
         is_task = isinstance(env, toy_envs.Task)
         if self.warm_start and not is_task:
             raise LabError(f"a warm start needs a task env with answers ({', '.join(toy_envs.tasks.names())}), not "
@@ -245,8 +235,6 @@ class TrainConfig:
             raise LabError(f"env {env.name!r} has a {env.reward} reward; the transformer trains on tasks with the "
                            f"exact-match reward (whose expected value is the exact accuracy): choose a target-reward "
                            f"task")
-        if self.sampler_dtype not in SAMPLER_DTYPES:
-            raise LabError(f"unknown sampler dtype {self.sampler_dtype!r}; choose one of {', '.join(SAMPLER_DTYPES)}")
         if self.logprob_noise or self.router_flip_p:
             raise LabError("logprob_noise and router_flip_p simulate a mismatched sampler for tabular policies; the "
                            "transformer's mismatch is real: use sampler_dtype, sampler_kv_cache and replay_routes")
@@ -266,10 +254,6 @@ class TrainConfig:
         return est
 
     def _validate_sizes(self, est: Estimator) -> None:
-        for name in ("group_size", "rollout_batch", "minibatches", "epochs", "steps"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise LabError(f"{name} must be a positive whole number, got {value!r}")
         adv_mod.check(self.advantage, self.group_size)
         if self.rollout_batch % self.group_size:
             raise LabError(f"rollout batch {self.rollout_batch} must be a multiple of the group size {self.group_size}")
@@ -301,30 +285,6 @@ class TrainConfig:
             positions = env.length + getattr(env, "prompt_length", 0)
             need += 16 * self.rollout_batch * positions * c.n_embd * c.n_layer * 8
         return need
-
-    def _validate_regime(self) -> None:
-        if self.lag_dist not in LAG_DISTS:
-            raise LabError(f"unknown lag distribution {self.lag_dist!r}; choose one of {', '.join(LAG_DISTS)}")
-        if not isinstance(self.lag_max, int) or self.lag_max < 0:
-            raise LabError(f"lag_max must be a non-negative whole number of versions, got {self.lag_max!r}")
-        if not isinstance(self.eta, int) or self.eta < 0:
-            raise LabError(f"eta (the staleness bound) must be a non-negative whole number, got {self.eta!r}")
-        if not 0 < self.lag_p <= 1:
-            raise LabError(f"lag_p must lie in (0, 1], got {self.lag_p}")
-        if self.over_stale not in OVER_STALE:
-            raise LabError(f"unknown over-stale policy {self.over_stale!r}; choose one of {', '.join(OVER_STALE)}")
-        if not (math.isfinite(self.logprob_noise) and self.logprob_noise >= 0):
-            raise LabError(f"logprob_noise must be a finite non-negative std, got {self.logprob_noise}")
-        if not (math.isfinite(self.sampler_temperature) and self.sampler_temperature > 0):
-            raise LabError(f"sampler temperature must be positive, got {self.sampler_temperature}")
-        if not 0 <= self.router_flip_p <= 1:
-            raise LabError(f"router_flip_p is a probability and must lie in [0, 1], got {self.router_flip_p}")
-        if not (math.isfinite(self.router_scale) and self.router_scale >= 0):
-            raise LabError(f"router_scale must be a finite non-negative std, got {self.router_scale}")
-        if self.regime != "mismatch" and (self.logprob_noise or self.sampler_temperature != 1.0 or self.router_flip_p):
-            raise LabError(f"sampler perturbations (logprob_noise, sampler_temperature, router_flip_p) apply only to "
-                           f"regime 'mismatch', not {self.regime!r}")
-
 
 @dataclass
 class TrainResult:

@@ -18,12 +18,12 @@ with the shared look in ``lab.reports.style``.
 """
 from __future__ import annotations
 
-import fcntl
 import html
 import json
 import os
 import re
 import shutil
+import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -40,7 +40,9 @@ from lab.reports import real_model_variance as real_model_text
 from lab.reports import variance as variance_text
 from lab.reports import vespo_bound as vespo_bound_text
 from lab.reports import params as report_params
-from lab.runs import RUN_FILES, remove_empty, atomic_dir, cache_dir, check_writable
+from lab.reports import inject
+from lab.runs import (FILE_MARK, MARKER, RUN_FILES, atomic_dir, cache_dir, check_out_dir, exclusive_lock,
+                      remove_empty, write_file)
 from lab.teach import LESSONS
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -159,11 +161,6 @@ def parameters(name: str) -> dict:
     return report_params.specs(REPO_ROOT / _get(name).notebook)
 
 
-def _check_dest(dest: Path, name: str) -> None:
-    if dest.exists() and (not dest.is_dir() or (any(dest.iterdir()) and not (dest / f"{name}.ipynb").exists())):
-        raise LabError(f"{dest} exists and is not a report folder; choose another --out")
-
-
 def _one_line(text: str) -> str:
     text = re.sub(r"\x1b\[[0-9;]*m", "", str(text)).strip()
     return text.splitlines()[0] if text else ""
@@ -248,13 +245,15 @@ def run_report(name: str, params: dict | None = None, out_root: Path = Path("rep
             raise LabError(f"report {name!r}: {e}") from None
     out_root = Path(out_root).resolve()
     dest = out_root / name
-    check_writable(dest)
-    _check_dest(dest, name)
-    with _report_lock(out_root, name), atomic_dir(dest) as stage:
+    check_out_dir(dest, kind="report")
+    check_failed_reports_dir()
+    inject.register()
+    with _report_lock(out_root, name), atomic_dir(dest, kind="report") as stage:
         executed = stage / f"{name}.ipynb"
-        try:
-            pm.execute_notebook(str(notebook), str(executed),
-                                parameters={**params, "out_dir": str(stage / "run")}, kernel_name="python3",
+        try:  # papermill formats paths with str.format: braces in a folder name are escaped
+            pm.execute_notebook(str(notebook).replace("{", "{{").replace("}", "}}"),
+                                str(executed).replace("{", "{{").replace("}", "}}"),
+                                parameters={**params, "out_dir": str(stage / "run")}, kernel_name=inject.KERNEL,
                                 cwd=str(REPO_ROOT), progress_bar=False, log_output=False,
                                 extra_arguments=["--IPKernelApp.log_level=CRITICAL"])  # no kernel log noise
         except PapermillExecutionError as e:
@@ -267,7 +266,9 @@ def run_report(name: str, params: dict | None = None, out_root: Path = Path("rep
             if not (stage / "run" / f).exists():
                 raise LabError(f"report {name!r} did not write its run folder ({f} missing)")
         for f in (stage / "run").iterdir():  # the run files, and whatever else the report keeps (logs, tables)
-            os.replace(f, stage / f.name)
+            if f.name != MARKER:
+                os.replace(f, stage / f.name)
+        (stage / "run" / MARKER).unlink(missing_ok=True)
         (stage / "run").rmdir()
         if report.page:  # the lesson's static page with live controls, linked from its "Try it" section
             from lab.teach import pages
@@ -281,23 +282,14 @@ def run_report(name: str, params: dict | None = None, out_root: Path = Path("rep
 
 @contextmanager
 def _report_lock(out_root: Path, name: str):
-    """One run of a report at a time in ``out_root``; under the lock, staging leftovers of killed runs go."""
+    """One run of a report at a time in ``out_root`` (a lock that belongs to the process holding it)."""
     made = [p for p in (out_root, *out_root.parents) if not p.exists()]
     out_root.mkdir(parents=True, exist_ok=True)
-    lock_path = out_root / f".{name}.lock"
-    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
     try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise LabError(f"report {name!r} is being built in {out_root} by another process; wait for it") from None
-        for leftover in out_root.glob(f".{name}.*"):
-            if leftover.is_dir():
-                shutil.rmtree(leftover, ignore_errors=True)
-        yield
+        with exclusive_lock(out_root / f".{name}.lock",
+                            f"report {name!r} is being built in {out_root} by another process; wait for it"):
+            yield
     finally:
-        os.close(fd)
-        lock_path.unlink(missing_ok=True)
         remove_empty(made)  # folders this run created and left empty (a failed first build)
 
 
@@ -307,16 +299,28 @@ def failed_reports_dir() -> Path:
     return Path(os.environ.get("LAB_FAILED_REPORTS") or cache_dir() / "failed-reports")
 
 
+def check_failed_reports_dir() -> None:
+    """Before a report runs: the folder for failed notebooks must be a folder (or creatable)."""
+    folder = failed_reports_dir()
+    blocker = next((p for p in (folder, *folder.parents) if p.exists() and not p.is_dir()), None)
+    if blocker is not None:
+        where = "LAB_FAILED_REPORTS" if os.environ.get("LAB_FAILED_REPORTS") else "the failed-reports folder"
+        raise LabError(f"{where} {folder} cannot hold notebooks: {blocker} is a file; point LAB_FAILED_REPORTS at a "
+                       f"folder")
+
+
 def _keep_failed(executed: Path, name: str) -> Path | str:
-    """Copy a partially executed notebook to the failed-reports folder; its path (or why not)."""
+    """Copy a partially executed notebook to the failed-reports folder under a new name; its path (or why not)."""
     try:
         folder = failed_reports_dir()
         folder.mkdir(parents=True, exist_ok=True)
-        kept = folder / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}.ipynb"
-        shutil.copyfile(executed, kept)
-        return kept
+        fd, kept = tempfile.mkstemp(prefix=f"{name}-{time.strftime('%Y%m%d-%H%M%S')}-", suffix=".ipynb", dir=folder)
+        with os.fdopen(fd, "wb") as out, open(executed, "rb") as src:
+            shutil.copyfileobj(src, out)
+        os.chmod(kept, 0o644)
+        return Path(kept)
     except OSError as e:
-        return f"not kept: {e.strerror}"
+        return f"not kept: {e.strerror or e}"
 
 
 def run(name: str, out_root: Path = Path("reports"), **params) -> dict:
@@ -425,7 +429,7 @@ def write_index(out_root: Path = Path("reports")) -> Path:
                      f'<p class="files">{html.escape(_provenance_line(provenance(folder, name)))}<br>'
                      f'{_file_links(name, f"{name}/")}</p></div>')
     page = f"""<!DOCTYPE html>
-<html lang="en"><head><meta charset="utf-8"><title>Off-policy variance lab: reports</title>
+<html lang="en"><head><meta charset="utf-8">{FILE_MARK}<title>Off-policy variance lab: reports</title>
 <style>
 body {{ font-family: system-ui, sans-serif; max-width: 1100px; margin: 2em auto; padding: 0 1em; color: #222; }}
 .card {{ border: 1px solid #ddd; border-radius: 8px; padding: 1em; margin: 1em 0; overflow-wrap: anywhere; }}
@@ -441,7 +445,5 @@ refreshes this page, whose cards say which parameters each report was built with
 </body></html>
 """
     out_root.mkdir(parents=True, exist_ok=True)
-    tmp = out_root / ".index.html.tmp"
-    tmp.write_text(page, encoding="utf-8")
-    os.replace(tmp, out_root / "index.html")
+    write_file(out_root / "index.html", page)
     return out_root / "index.html"

@@ -290,8 +290,8 @@ def _why_off(info: dict, where: str) -> str:
                 f"answers over 10 digits; {sure:.0%} of its sampled tokens have p > 0.9), so there is little depth "
                 f"and few uncertain tokens for rounding to act on. The practitioners' figure is for "
                 f"billion-parameter models; a pretrained LM is the closer comparison.")
-    return (f": this measurement changes only the weights' dtype on the same CPU kernels; production engines also "
-            f"differ in kernels, batching and reduction order, which adds mismatch." if where == "below" else
+    return (": this measurement changes only the weights' dtype on the same CPU kernels; production engines also "
+            "differ in kernels, batching and reduction order, which adds mismatch." if where == "below" else
             ": a 135M model quantised to 4 bits and sampled at temperature 1 puts many tokens in the uncertain "
             "range, where rounding moves log-probabilities most.")
 

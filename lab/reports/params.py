@@ -19,9 +19,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-import yaml
-
 from lab.errors import LabError
+from lab.inputs import load_yaml, plain
 
 DRIVER_PARAMS = ("out_dir",)  # set by the driver, not by users
 SCALARS = ("int", "float", "str", "bool", "dict")
@@ -120,7 +119,9 @@ def _as_list(name: str, value) -> list:
 
 
 def coerce(name: str, value, kind: str, nullable: bool = False):
-    """``value`` checked against ``kind``; a comma-separated string becomes a list where one is expected."""
+    """``value`` checked against ``kind`` at every depth (plain data only: ``lab.inputs.plain``); a comma-separated
+    string becomes a list where one is expected."""
+    plain(value, f"parameter {name}")
     if value is None and (nullable or kind == "any"):
         return None
     if kind.startswith("list"):
@@ -133,9 +134,10 @@ def coerce(name: str, value, kind: str, nullable: bool = False):
 
 
 def _parse(text: str):
+    """A command-line value: JSON if it reads as JSON (numbers, true/false, lists), else the text itself."""
     try:
         return json.loads(text)
-    except json.JSONDecodeError:
+    except (json.JSONDecodeError, RecursionError):
         return text
 
 
@@ -150,17 +152,8 @@ def check(name: str, notebook: Path, params: dict) -> dict:
 
 
 def from_file(path) -> dict:
-    """Parameters from a YAML (or JSON) mapping."""
-    path = Path(path)
-    if not path.is_file():
-        raise LabError(f"parameter file {path} does not exist")
-    try:
-        raw = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
-        raise LabError(f"parameter file {path} is not valid YAML{where}: {problem}") from None
+    """Parameters from a YAML (or JSON) mapping: plain data only, bounded (``lab.inputs``)."""
+    raw = load_yaml(path, "parameter file")
     if raw is None:
         raise LabError(f"parameter file {path} is empty; write one `name: value` per line")
     if not isinstance(raw, dict):

@@ -46,7 +46,7 @@ import toy_envs
 from lab import stats
 from lab.engine.batches import Batch, draw_batches
 from lab.engine.estimator import Estimator
-from lab.engine.exact import Problem, Support, exact_support
+from lab.engine.exact import Problem, Support
 from lab.engine.gradients import replicate_gradients
 from lab.engine.metrics import gram_metrics, variance_resamples
 from lab.engine.staleness import optimisation_trajectory

@@ -13,7 +13,8 @@ that error from ||g*||^2 (``lab.engine.metrics``).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import Literal
 
 import numpy as np
 import pandas as pd
@@ -22,7 +23,9 @@ import torch
 import toy_envs
 from lab import advantages as adv_mod
 from lab import estimators
-from lab.configs import check_types, check_unique
+from lab.advantages import ADVANTAGES
+from lab.configs import SEED_MAX, check_types, check_unique
+from lab.estimators.aggregation import AGG_MODES
 from lab.engine.estimator import Estimator
 from lab.engine.exact import REFERENCES, Problem, divergence_intervals, reference_gradient
 from lab.engine.gradients import budget_chunk, exact_direction
@@ -33,9 +36,12 @@ from lab.errors import LabError
 from lab.policies import check_device, init_params, make_policy
 from lab.progress import bar
 from lab.seeding import derive_seed, generator
+from lab.runs import check_cache_dir
 from lab.studies import StudyResult
+from lab.typed import knob
 
 DEFAULT_ESTIMATORS = ("reinforce", "seq_is", "token_is", "ppo_clip")
+POLICIES = ("prefix", "markov", "transformer", "hf")
 BATCH_MEMORY_BUDGET = 4 * 2**30  # bytes for the replicate batches and the bootstrap counts
 
 
@@ -45,9 +51,9 @@ class Config:
 
     env: str = "tiny_target"
     """toy env preset (see `lab envs`)"""
-    env_overrides: dict = field(default_factory=dict, metadata={"flag": "--set", "parse": "pairs"})
+    env_overrides: dict = knob({}, flag="--set", parse="pairs")
     """env fields to change, e.g. length=6"""
-    policy: str = "prefix"
+    policy: Literal[POLICIES] = "prefix"
     """prefix (any sequence distribution) | markov | transformer | hf (a local causal LM at --model)"""
     model: str = "small"
     """transformer size (policy transformer): test | small | medium | moe | 1m; policy hf: the model's path (a
@@ -55,53 +61,53 @@ class Config:
     params: str = "last:1"
     """trainable subset of an hf policy (theta): last:k (the last k blocks), lm_head, lora:r=R, or a regex over
     parameter names (lab.policies.hf)"""
-    warm_start: float = 0.0
+    warm_start: float = knob(0.0, ge=0, lt=1)
     """start from the supervised warm start of a transformer of size ``model`` at this exact-match accuracy (0: the
     policy's random init); a prefix policy copies that transformer's distribution"""
-    staleness: str = "lag"
+    staleness: Literal[KINDS] = "lag"
     """lag | kl | temperature"""
-    values: list = field(default_factory=lambda: [0, 1, 2, 4, 8, 16, 32, 64], metadata={"parse": "list"})
+    values: list[float] = knob([0, 1, 2, 4, 8, 16, 32, 64], ge=0, le=1e6)
     """staleness settings"""
-    estimators: list = field(default_factory=lambda: list(DEFAULT_ESTIMATORS), metadata={"parse": "list"})
+    estimators: list[str] = knob(list(DEFAULT_ESTIMATORS))
     """estimator names (see `lab estimators`)"""
-    hyper: dict = field(default_factory=dict, metadata={"parse": "estimator_pairs"})
+    hyper: dict = knob({}, parse="estimator_pairs")
     """hyper-parameter overrides, e.g. ppo_clip.clip_ratio_c=3.0"""
-    advantage: str = "rloo"
+    advantage: Literal[ADVANTAGES] = "rloo"
     """reward | rloo | grpo | drgrpo"""
-    group_size: int = 8
+    group_size: int = knob(8, ge=1, le=4096)
     """G responses per prompt"""
-    batch_size: int = 64
+    batch_size: int = knob(64, ge=1, le=1_000_000)
     """B responses per batch (a multiple of G)"""
-    replicates: int = 500
+    replicates: int = knob(500, ge=2, le=1_000_000)
     """M independent batches per setting"""
-    loss_agg_mode: str = field(default="seq-mean-token-sum", metadata={"flag": "--agg"})
+    loss_agg_mode: Literal[(*AGG_MODES, "native")] = knob("seq-mean-token-sum", flag="--agg")
     """loss aggregation mode, or native (each estimator's own)"""
-    reference: str = "exact"
+    reference: Literal[REFERENCES] = "exact"
     """exact (enumeration) | mc (Monte Carlo reference for large spaces)"""
-    mc_samples: int = 65536
+    mc_samples: int = knob(65536, ge=2, le=100_000_000)
     """samples behind each Monte Carlo expectation"""
-    enum_limit: int = toy_envs.DEFAULT_ENUM_LIMIT
+    enum_limit: int = knob(toy_envs.DEFAULT_ENUM_LIMIT, ge=1, le=2**31)
     """largest number of (prompt, response) pairs to enumerate"""
-    init_scale: float = 1.0
+    init_scale: float = knob(1.0, ge=0, le=100)
     """initial logits ~ N(0, init_scale^2)"""
-    trajectory_steps: int = 64
+    trajectory_steps: int = knob(64, ge=0, le=1_000_000)
     """Adam steps from the initial policy to pi (the lag knob's trajectory)"""
-    lr: float = 0.05
+    lr: float = knob(0.05, gt=0, le=1e3)
     """Adam learning rate of that trajectory"""
     exact_directions: bool = False
     """also the exact expected gradient of each estimator with advantage R (by enumeration): relative bias,
     cosine and size against grad J (exact reference only)"""
-    n_boot: int = 1000
+    n_boot: int = knob(1000, ge=10, le=1_000_000)
     """bootstrap resamples"""
-    ci: float = 0.95
+    ci: float = knob(0.95, gt=0, lt=1)
     """interval coverage"""
-    seed: int = 0
+    seed: int = knob(0, ge=0, le=SEED_MAX)
     """seed of every random stream of the study"""
     device: str = "cpu"
     """where the policy's forward and backward passes run: cpu | cuda (network policies)"""
-    chunk: int = 0
+    chunk: int = knob(0, ge=0, le=1_000_000)
     """replicates per vmap call of a network policy's gradients (0: from the memory budget, budget / (8 D))"""
-    memory_budget: float = 2.0
+    memory_budget: float = knob(2.0, gt=0, le=4096)
     """GiB of gradient estimates held at once (the default chunk and the streamed Gram's block follow from it, so
     memory stays bounded whatever the replicates and parameters)"""
 
@@ -140,44 +146,23 @@ class Config:
     def validate(self) -> None:
         check_types(self)
         problem = self.problem()
-        if self.staleness not in KINDS:
-            raise LabError(f"unknown staleness kind {self.staleness!r}; choose one of {', '.join(KINDS)}")
         if not self.values:
             raise LabError("give at least one staleness value")
-        if self.trajectory_steps < 0:
-            raise LabError(f"trajectory steps must be a non-negative whole number, got {self.trajectory_steps}")
         check_unique("values", [float(v) for v in self.values])
-        if self.chunk < 0:
-            raise LabError(f"chunk must be a non-negative number of replicates (0: from the memory budget), got "
-                           f"{self.chunk}")
-        if not (math.isfinite(self.memory_budget) and self.memory_budget > 0):
-            raise LabError(f"memory budget must be a positive number of GiB, got {self.memory_budget}")
         for v in self.values:
             check_value(self.staleness, float(v), self.trajectory_steps)
         self._validate_estimators()
-        if self.batch_size < 1:
-            raise LabError(f"batch size must be at least 1, got {self.batch_size}")
-        if self.replicates < 2:
-            raise LabError(f"replicates must be at least 2 to measure a variance, got {self.replicates}")
         adv_mod.check(self.advantage, self.group_size)
         if self.batch_size % self.group_size:
             raise LabError(f"batch size {self.batch_size} must be a multiple of the group size {self.group_size}")
-        if self.reference not in REFERENCES:
-            raise LabError(f"unknown reference {self.reference!r}; choose exact or mc")
         problem.check()
-        if not 0 <= self.warm_start < 1:
-            raise LabError(f"warm_start is a target accuracy in [0, 1), got {self.warm_start}")
+        if self.warm_start:
+            check_cache_dir()  # before the warm start is trained
         if self.warm_start and self.policy not in ("transformer", "prefix"):
             raise LabError("warm_start applies to the transformer policy (or a prefix-tree copy of its distribution)")
         if self.warm_start and self.reference != "exact" and self.policy == "prefix":
             raise LabError("a prefix-tree policy copies the warm start's distribution by enumeration: use --reference "
                            "exact")
-        if not (math.isfinite(self.init_scale) and self.init_scale >= 0):
-            raise LabError(f"init scale must be a finite non-negative number, got {self.init_scale}")
-        if self.trajectory_steps < 0 or self.lr <= 0 or not math.isfinite(self.lr):
-            raise LabError("trajectory steps must be >= 0 and the learning rate a positive number")
-        if not 0 < self.ci < 1 or self.n_boot < 10:
-            raise LabError("ci must lie in (0, 1) and n_boot be at least 10")
         check_device(self.device)
         self._validate_memory(problem)
 
@@ -270,9 +255,12 @@ def run(cfg: Config, progress: bool | None = None) -> StudyResult:
     grad_j, grad_j_var = reference_gradient(env, problem.policy, theta_pi, support_pi)
     grad_j = grad_j.reshape(-1)
     if not (torch.isfinite(grad_j).all() and grad_j.norm() > 0):
-        raise LabError(f"the target gradient of pi is {'zero' if torch.isfinite(grad_j).all() else 'not finite'} "
-                       f"(pi is deterministic or degenerate after the trajectory), so errors relative to it are "
-                       f"undefined; lower --init-scale or --lr")
+        what = "zero" if torch.isfinite(grad_j).all() else "not finite"
+        if cfg.reference == "mc" and torch.isfinite(grad_j).all():  # every sample scored the same reward
+            raise LabError(f"the Monte Carlo estimate of grad J from {cfg.mc_samples:,} samples is zero (every sample "
+                           f"scored the same reward), so errors relative to it are undefined; raise --mc-samples")
+        raise LabError(f"the target gradient of pi is {what} (pi is deterministic or degenerate after the "
+                       f"trajectory), so errors relative to it are undefined; lower --init-scale or --lr")
     sampling = cfg.sampling()
     grad_j_se = math.sqrt(grad_j_var) if grad_j_var == grad_j_var else float("nan")
     key = dict(env=env.name, policy=cfg.policy, staleness_kind=cfg.staleness, seed=cfg.seed, reference=cfg.reference)

@@ -18,9 +18,7 @@ import html
 import inspect
 import json
 import math
-import os
 import sys
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -31,6 +29,7 @@ from lab import estimators
 from lab.errors import LabError
 from lab.estimators import vespo
 from lab.reports.style import color as estimator_color
+from lab.runs import FILE_MARK, check_file, write_file
 from lab.teach import clip_mask, gvpo_zero_sum, jscore, vespo_kernel, vopd_baseline, weight_explosion
 from lab.teach.plots import MU, TARGET
 
@@ -476,14 +475,14 @@ def render(page: Page) -> str:
     doc.title = page.title
     text = file_html(doc, resources=INLINE, title=page.title)
     core = f'<script type="text/javascript">{jscore.SOURCE}</script>\n'
-    meta = '<meta name="viewport" content="width=device-width, initial-scale=1">\n'
+    meta = f'{FILE_MARK}\n<meta name="viewport" content="width=device-width, initial-scale=1">\n'
     return text.replace("<head>", "<head>\n" + meta + core, 1)
 
 
 def _index(built: list[Page]) -> str:
     items = "".join(f'<li><a href="{p.slug}.html">{html.escape(p.title)}</a></li>' for p in built)
     return f"""<!DOCTYPE html>
-<html lang="en"><head><meta charset="utf-8"><meta name="viewport" content="width=device-width, initial-scale=1">
+<html lang="en"><head><meta charset="utf-8">{FILE_MARK}<meta name="viewport" content="width=device-width, initial-scale=1">
 <title>Off-policy variance lab: lessons</title>
 <style>body {{ font-family: system-ui, sans-serif; max-width: 760px; margin: 2em auto; padding: 0 1em; }}
 li {{ margin: .5em 0; }}</style></head><body>
@@ -509,17 +508,13 @@ def build_pages(out_dir, slugs=None) -> list[Path]:
     unknown = sorted(set(slugs or ()) - set(known))
     if unknown:
         raise LabError(f"unknown lesson(s) {', '.join(unknown)}; choose from {', '.join(known)}")
+    dests = [out / f"{p.slug}.html" for p in chosen] + [out / "index.html"]
+    for dest in dests:  # every page the lab would replace is one it wrote, before anything is written
+        check_file(dest, "output folder")
     out.mkdir(parents=True, exist_ok=True)
-    paths = []
-    for page, text in [(p, render(p)) for p in chosen] + [(None, _index(chosen))]:
-        dest = out / (f"{page.slug}.html" if page else "index.html")
-        fd, tmp = tempfile.mkstemp(prefix=f".{dest.name}.", dir=out)
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, dest)
-        paths.append(dest)
-    return paths
+    for dest, text in zip(dests, [render(p) for p in chosen] + [_index(chosen)]):
+        write_file(dest, text, "output folder")
+    return dests
 
 
 def main(argv=None) -> int:
