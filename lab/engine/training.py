@@ -133,7 +133,7 @@ class TrainConfig:
     hyper: dict = field(default_factory=dict, metadata={"parse": "estimator_pairs"})
     """the estimator's hyper-parameters over its registry defaults (flag: ESTIMATOR.KEY=VALUE)"""
     advantage: str = "rloo"
-    """reward | rloo | grpo | drgrpo, over each rollout's groups"""
+    """reward | rloo | grpo | drgrpo | gpg, over each rollout's groups"""
     group_size: int = 8
     """G responses per prompt"""
     rollout_batch: int = 64

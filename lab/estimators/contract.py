@@ -5,7 +5,8 @@ the same contract without code of its own. The contract (also in the registry's 
 
 - Order and shapes. ``fn(log_prob, old_log_prob, advantages, response_mask, loss_agg_mode, **hyper)``: the current
   policy's log-probs first. ``log_prob``, ``old_log_prob``, ``response_mask`` and the per-token extra inputs
-  (``ref_log_prob``, ``rollout_log_probs``, ``teacher_log_prob``) are [B, T]; ``advantages`` is [B, T] or [B, 1]
+  (``ref_log_prob``, ``rollout_log_probs``, ``teacher_log_prob``, ``selection_keys``, ``lag``) are [B, T];
+  ``advantages`` is [B, T] or [B, 1]
   (a 1-D [B] is refused: it would broadcast along T when B == T); ``logits`` and ``teacher_logits`` are
   [B, T, V]. Log-probs are floating point; the mask is bool, integer or float. Anything else: LabError.
 - Empty. A batch with no token positions (B = 0 or T = 0) raises LabError. A row without a real token (a response
