@@ -89,16 +89,17 @@ class EstimatorInfo:
 _REGISTRY: dict[str, EstimatorInfo] = {}
 
 
-def register(name: str, *, family: str, source: str, unbiased_for: str, label: str, paper: str, unbiased: str,
-             coefficient: Callable | None = None, inputs: tuple = (), optional_inputs: tuple = (),
+def register(name: str, *, family: str, source: str, unbiased_for: str, label: str = "", paper: str = "",
+             unbiased: str = "other", coefficient: Callable | None = None, inputs: tuple = (), optional_inputs: tuple = (),
              grad_scale: Callable | None = None, ratio: str = "token", fixed_agg: bool = False,
              domains: dict | None = None, check: Callable | None = None, differences: str = "",
              homogeneous: bool = True):
     """Decorator: add ``fn`` to the registry, held to the contract (see the module docstring). Its keyword defaults
     (other than the named inputs) become the registry's hyper-parameter defaults; each needs a domain in
     ``domains`` ("positive", "nonnegative", "finite", "> X", ">= X", "positive integer", "bool", optionally
-    followed by " or None", or "one of a|b|c"). ``unbiased`` is one of UNBIASED (tests/test_estimator_unbiasedness.py
-    checks it by enumeration)."""
+    followed by " or None", or "one of a|b|c"). ``label`` (default: the name) and ``paper`` are what tables and
+    figures show; ``unbiased`` is one of UNBIASED (tests/test_estimator_unbiasedness.py checks it by enumeration;
+    "other", the default, is not checked)."""
     if unbiased not in UNBIASED:
         raise ValueError(f"register({name!r}): unbiased must be one of {UNBIASED}, got {unbiased!r}")
 
@@ -118,7 +119,7 @@ def register(name: str, *, family: str, source: str, unbiased_for: str, label: s
         guarded = guard(name, fn, tuple(inputs), tuple(optional_inputs), info)
         _REGISTRY[name] = EstimatorInfo(
             name=name, fn=guarded, family=family, source=source, unbiased_for=unbiased_for,
-            description=doc[0] if doc else "", label=label, paper=paper, unbiased=unbiased, coefficient=coefficient,
+            description=doc[0] if doc else "", label=label or name, paper=paper, unbiased=unbiased, coefficient=coefficient,
             defaults=defaults, inputs=tuple(inputs), optional_inputs=tuple(optional_inputs), grad_scale=grad_scale,
             ratio=ratio, loss_agg_mode=agg, fixed_agg=fixed_agg, domains=parsed, check=check, differences=differences,
             homogeneous=homogeneous)
