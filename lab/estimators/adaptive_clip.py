@@ -32,6 +32,7 @@ from __future__ import annotations
 import torch
 
 from lab.estimators.aggregation import agg_loss, masked_mean
+from lab.estimators.contract import ordered
 from lab.estimators.clipping import ppo_clip_coefficient
 from lab.estimators.policy_gradient import token_log_ratio
 from lab.estimators.registry import register
@@ -75,19 +76,13 @@ def bapo_coefficient(ratio, advantage, lower_start=0.8, upper_start=1.2, clip_ra
     return ppo_clip_coefficient(ratio, advantage, 1 - lower_start, upper_start - 1, clip_ratio_c)
 
 
-def _bapo_check(hyper: dict) -> str | None:
-    if hyper["lower_start"] > hyper["upper_start"]:
-        return f"lower_start ({hyper['lower_start']}) exceeds upper_start ({hyper['upper_start']})"
-    return None
-
-
 @register("bapo", label="BAPO", paper="BAPO, balanced policy optimization with adaptive clipping (arXiv 2510.18927)",
           unbiased="on-policy", family="adaptive-clip",
           source="WooooDyy/BAPO recipe/bapo/policy_loss.py compute_policy_loss_bapo (7287044); defaults from "
                  "recipe/bapo/run_bapo_example.sh (target 0.5, lower 0.8 -> 0.95 by 0.05, upper 1.2 -> 2.0 by 0.1)",
           unbiased_for="biased off-policy: token ratios with PPO clipping at bounds chosen from the batch's own "
                        "advantages; exactly REINFORCE on-policy (rho = 1 is inside every bound)",
-          coefficient=bapo_coefficient, homogeneous=False, check=_bapo_check,
+          coefficient=bapo_coefficient, homogeneous=False, check=ordered("lower_start", "upper_start"),
           domains={"adv_ratio_target": "nonnegative", "lower_start": "positive", "lower_max": "positive",
                    "lower_step": "nonnegative", "upper_start": "positive", "upper_max": "positive",
                    "upper_step": "nonnegative", "clip_ratio_c": "> 1", "eps": "positive"},

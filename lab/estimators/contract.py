@@ -114,6 +114,16 @@ def check_values(name: str, domains: dict, hyper: dict, check: Callable | None =
             raise LabError(f"estimator {name!r}: {problem}")
 
 
+def ordered(low: str, high: str) -> Callable:
+    """A cross-field ``check``: refuse hyper-parameters where ``low`` exceeds ``high`` (an empty band)."""
+    def check(hyper: dict) -> str | None:
+        if hyper[low] > hyper[high]:
+            return f"the band is empty: {low} ({hyper[low]}) exceeds {high} ({hyper[high]})"
+        return None
+
+    return check
+
+
 # ----------------------------------------------------------------------------------------------- inputs
 def in_transform() -> bool:
     """Whether the caller runs inside a torch.func transform (vmap, grad), where tensor values cannot be read."""

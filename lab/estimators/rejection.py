@@ -52,6 +52,7 @@ import math
 import torch
 
 from lab.estimators.aggregation import agg_loss, masked_mean
+from lab.estimators.contract import ordered
 from lab.estimators.policy_gradient import LOG_RATIO_BOUND, sequence_log_weight, token_log_ratio
 from lab.estimators.registry import register
 from lab.estimators.truncation import PPO, _band, _seq_mean, ppo_loss_matrix
@@ -220,12 +221,6 @@ def seq_rs(log_prob, old_log_prob, advantages, response_mask, loss_agg_mode="tok
                               rollout_log_probs)
 
 
-def _skyrl_band(hyper: dict) -> str | None:
-    if hyper["geo_mask_low"] > hyper["geo_mask_high"]:
-        return f"the band is empty: geo_mask_low ({hyper['geo_mask_low']}) exceeds geo_mask_high"
-    return None
-
-
 @register("geo_rs_skyrl", label="Geo mask (SkyRL)", paper="SkyRL off-policy correction, geometric sequence mask",
           unbiased="on-policy", family="rejection",
           source="SkyRL 0.4.0 skyrl/backends/skyrl_train/utils/off_policy_correction_utils.py compute_sequence_mask "
@@ -234,7 +229,7 @@ def _skyrl_band(hyper: dict) -> str | None:
                        "pi_old/mu leaves [0.99, 1.01] dropped; exactly REINFORCE when pi = pi_old = mu",
           coefficient=skyrl_band_coefficient, inputs=("rollout_log_probs",), ratio="geometric",
           domains={"geo_mask_low": "positive", "geo_mask_high": "positive", "clip_ratio_low": "nonnegative",
-                   "clip_ratio_high": "nonnegative"}, check=_skyrl_band,
+                   "clip_ratio_high": "nonnegative"}, check=ordered("geo_mask_low", "geo_mask_high"),
           differences="SkyRL exponentiates in float32 (safe_exp_delta); here the inputs' precision (float32 or "
                       "float64)")
 def geo_rs_skyrl(log_prob, old_log_prob, advantages, response_mask, loss_agg_mode="token-mean", geo_mask_low=0.99,

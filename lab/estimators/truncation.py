@@ -45,6 +45,7 @@ from __future__ import annotations
 import torch
 
 from lab.estimators.aggregation import agg_loss, masked_mean
+from lab.estimators.contract import ordered
 from lab.estimators.policy_gradient import sequence_log_weight, token_log_ratio
 from lab.estimators.registry import register
 
@@ -129,10 +130,7 @@ ROLLOUT_RS = ("verl's rejection sampling (rollout_rs) and rollout_is_batch_norma
               "itself, where verl passes precomputed rollout_is_weights")
 
 
-def _band(hyper: dict) -> str | None:
-    if hyper["lower"] > hyper["upper"]:
-        return f"the band is empty: lower ({hyper['lower']}) exceeds upper ({hyper['upper']})"
-    return None
+_band = ordered("lower", "upper")
 
 
 # ----------------------------------------------------------------------------------------------- estimators
