@@ -5,6 +5,13 @@
 - grpo:    A_i = (R_i - mean_j R_j) / (std_j R_j + eps)   (GRPO, Shao et al. 2024; std with Bessel's correction
                                                            as torch.std in verl; biased: data-dependent scale)
 - drgrpo:  A_i = R_i - mean_j R_j                         (Dr. GRPO, Liu et al. 2025; equals (G-1)/G * rloo)
+- gpg:     A_i = alpha (R_i - mean_j R_j), alpha = (responses in the batch) / (responses with R != 0), at least 1
+                                                          (GPG, Chu et al. 2025, arXiv 2504.02546; verl 0.9.1
+                                                           compute_gpg_outcome_advantage, f_norm = 1: a batch-level
+                                                           scale that is biased, larger when rewards are sparse)
+
+The VCPO baseline depends on the importance weights, so it lives in its estimator (lab.estimators.baselines), which
+takes the rewards.
 """
 from __future__ import annotations
 
@@ -12,7 +19,7 @@ import torch
 
 from lab.errors import LabError
 
-ADVANTAGES = ("reward", "rloo", "grpo", "drgrpo")
+ADVANTAGES = ("reward", "rloo", "grpo", "drgrpo", "gpg")
 GRPO_EPS = 1e-6
 
 
@@ -36,6 +43,9 @@ def group_advantages(rewards: torch.Tensor, kind: str) -> torch.Tensor:
     centred = rewards - rewards.mean(-1, keepdim=True)
     if kind == "drgrpo":
         return centred
+    if kind == "gpg":
+        nonzero = (rewards != 0).sum((-2, -1), keepdim=True).clamp(min=1).to(rewards.dtype)
+        return rewards.shape[-2] * rewards.shape[-1] / nonzero * centred
     return centred / (rewards.std(-1, keepdim=True) + GRPO_EPS)
 
 

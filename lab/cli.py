@@ -32,19 +32,38 @@ def cmd_envs(args) -> int:
 
 def cmd_estimators(args) -> int:
     from lab import estimators
+    from lab.estimators import presets
 
+    if args.preset:
+        system, _, name = args.preset.partition(":")
+        if system not in presets.SYSTEMS:
+            raise LabError(f"unknown preset system {system!r}; choose one of {', '.join(presets.SYSTEMS)} "
+                           f"(e.g. --preset verl or --preset verl:decoupled_geo_rs)")
+        chosen = [args.preset] if name else presets.names(system)
+        for full in chosen:
+            print(presets.composition(full))
+        if not name:
+            print(f"\nRun one with `lab variance --estimators {system}:NAME` or `lab train --estimator {system}:NAME`; "
+                  f"decoupled presets see a three-policy batch (old_log_prob = the recomputed pi_old, "
+                  f"rollout_log_probs = the sampler), bypass presets a two-policy one (old_log_prob = the sampler).")
+        return 0
     for name in estimators.names():
         i = estimators.info(name)
         defaults = ", ".join(f"{k}={v}" for k, v in i.defaults.items()) or "-"
         domains = "; ".join(f"{k}: {d.describe()}" for k, d in i.domains.items()) or "-"
-        print(f"{name}  [{i.family}]  {i.description}\n    source: {i.source}\n    defaults: {defaults}\n"
-              f"    allowed: {domains}\n    unbiased for: {i.unbiased_for}"
+        inputs = ", ".join([*i.inputs, *(f"{k} (optional)" for k in i.optional_inputs)])
+        print(f"{name}  [{i.family}]  {i.label}: {i.description}\n    paper: {i.paper}\n    source: {i.source}\n"
+              f"    defaults: {defaults}\n    allowed: {domains}\n    unbiased for: {i.unbiased_for}"
+              + (f"\n    inputs: {inputs}" if inputs else "")
               + (f"\n    differs from the code it cites: {i.differences}" if i.differences else ""))
     print("\nEvery estimator: a response with no real token counts in the batch size B of the seq-mean-* modes, as "
-          "in verl 0.9.1's trainer (global batch size = every sequence of the mini-batch) and TRL's GRPOTrainer. verl's "
-          "agg_loss called on its own (no global batch information) divides by the non-empty rows instead; "
+          "in verl 0.9.1's trainer (global batch size = every sequence of the mini-batch) and TRL's GRPOTrainer. "
+          "verl's agg_loss called on its own (no global batch information) divides by the non-empty rows instead; "
           "lab.estimators.to_verl(name) follows verl in both cases, except that verl's geo_mean (GMPO) averages over "
-          "every row whatever it is given, while the exported gmpo aggregates like verl's other losses.")
+          "every row whatever it is given, while the exported gmpo aggregates like verl's other losses.\n"
+          "Three-policy estimators (rollout_log_probs required) take old_log_prob = the recomputed pi_old and "
+          "rollout_log_probs = the sampler; `lab variance` and `lab train` supply that batch. verl's "
+          "rollout-correction presets run as verl:NAME (`lab estimators --preset verl` lists them).")
     return 0
 
 
@@ -177,7 +196,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="lab", description="Off-policy variance lab: bias, variance and MSE of gradient corrections.")
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
     sub.add_parser("envs", help="list toy environments").set_defaults(func=cmd_envs)
-    sub.add_parser("estimators", help="list estimators with defaults and sources").set_defaults(func=cmd_estimators)
+    e = sub.add_parser("estimators", help="list estimators with defaults and sources")
+    e.add_argument("--preset", default=None, metavar="SYSTEM[:NAME]",
+                   help="list a trainer's presets and the lab composition each maps to (verl, or verl:NAME)")
+    e.set_defaults(func=cmd_estimators)
 
     v = sub.add_parser("variance", help="one variance study: every estimator on the same batches")
     add_flags(v, variance.Config)

@@ -36,7 +36,9 @@ def batch(name, B=4, T=3, V=5, seed=0, dtype=torch.float64, lengths=None, option
 
     extras = {"rewards": torch.randn(B, generator=g, dtype=torch.float64), "group_size": 2,
               "teacher_logits": teacher_logits, "ref_log_prob": near(0.3), "rollout_log_probs": near(0.3),
-              "teacher_log_prob": torch.log_softmax(teacher_logits, -1).gather(-1, tokens[..., None]).squeeze(-1)}
+              "teacher_log_prob": torch.log_softmax(teacher_logits, -1).gather(-1, tokens[..., None]).squeeze(-1),
+              "selection_keys": torch.rand(B, T, generator=g, dtype=torch.float64),
+              "lag": torch.randint(0, 4, (B, T), generator=g).to(torch.float64)}
     wanted = list(info.inputs) + (list(info.optional_inputs) if optional else [])
     named = {k: (v.to(dtype) if torch.is_tensor(v) else v) for k, v in extras.items() if k in wanted}
     adv = torch.randn(B, 1, generator=g, dtype=torch.float64).expand(B, T).to(dtype)
@@ -85,7 +87,8 @@ def test_junk_on_padding_changes_neither_loss_nor_gradient(name, seed, junk, mod
 
 
 # ---------------------------------------------------------------------------------------------------- invalid values
-PER_TOKEN_INPUTS = ["log_prob", "old_log_prob", "advantages", "ref_log_prob", "rollout_log_probs", "teacher_log_prob"]
+PER_TOKEN_INPUTS = ["log_prob", "old_log_prob", "advantages", "ref_log_prob", "rollout_log_probs", "teacher_log_prob",
+                    "selection_keys", "lag"]
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -184,7 +187,8 @@ def test_mismatched_shapes_raise_one_clear_error(name):
     for key, args in bad.items():
         with pytest.raises(LabError, match=key):
             fn(*args[:4], **args[4])
-    for key in [k for k in ("ref_log_prob", "rollout_log_probs", "teacher_log_prob", "logits") if k in named]:
+    for key in [k for k in ("ref_log_prob", "rollout_log_probs", "teacher_log_prob", "logits", "selection_keys", "lag")
+                if k in named]:
         with pytest.raises(LabError, match=key):
             fn(lp, old, adv, mask, **{**named, key: named[key][:, :2]})
     # a per-sequence advantage [B, 1] is accepted and equals the broadcast one

@@ -19,7 +19,7 @@ from lab.estimators.aggregation import AGG_MODES
 
 NAMES = estimators.names()
 KNOWN_INPUTS = {"rewards", "group_size", "logits", "teacher_log_prob", "teacher_logits", "ref_log_prob",
-                "rollout_log_probs"}
+                "rollout_log_probs", "selection_keys", "lag"}
 SETTINGS = dict(deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 
 
@@ -73,7 +73,8 @@ def make_inputs(p):
         old_log_prob, ref_log_prob, rollout_log_probs, teacher_log_prob = (
             x * mask for x in (old_log_prob, ref_log_prob, rollout_log_probs, teacher_log_prob))
     extras = {"rewards": rewards, "group_size": p["G"], "logits": logits, "teacher_log_prob": teacher_log_prob,
-              "teacher_logits": teacher_logits, "ref_log_prob": ref_log_prob, "rollout_log_probs": rollout_log_probs}
+              "teacher_logits": teacher_logits, "ref_log_prob": ref_log_prob, "rollout_log_probs": rollout_log_probs,
+              "selection_keys": uniform(B, T), "lag": torch.randint(0, 5, (B, T), generator=g).to(dt)}
     return log_prob, old_log_prob, adv_seq[:, None] * torch.ones(B, T, dtype=dt), mask, extras, logits
 
 
@@ -184,7 +185,9 @@ def test_every_estimator_runs_under_vmap_with_its_inputs(name, optional):
             "teacher_logits": teacher_logits,
             "teacher_log_prob": torch.log_softmax(teacher_logits, -1).gather(-1, tokens[..., None]).squeeze(-1) * mask,
             "ref_log_prob": (lp0 - 0.2 * torch.rand(M, B, T, generator=g)).clamp(max=0) * mask,
-            "rollout_log_probs": (lp0 + 0.2 * torch.randn(M, B, T, generator=g)).clamp(max=0) * mask}
+            "rollout_log_probs": (lp0 + 0.2 * torch.randn(M, B, T, generator=g)).clamp(max=0) * mask,
+            "selection_keys": torch.rand(M, B, T, generator=g),
+            "lag": torch.randint(0, 4, (M, B, T), generator=g).float()}
     wanted = [k for k in list(info.inputs) + (list(info.optional_inputs) if optional else []) if k in data]
 
     def loss(lg, tok, m, old, adv, extra):

@@ -133,6 +133,10 @@ def test_registry_metadata_and_errors():
     for name in estimators.names():
         i = estimators.info(name)
         assert i.family and i.source and i.unbiased_for and i.description
+        assert i.label and i.paper and i.unbiased in estimators.registry.UNBIASED, name
+    labels = [estimators.info(n).label for n in estimators.names()]
+    assert len(set(labels)) == len(labels)  # one display name per estimator
+    assert (estimators.info("seq_is").label, estimators.info("ppo_clip").label) == ("Seq IS", "PPO clip")
     assert estimators.info("ppo_clip").defaults == {"clip_ratio_low": 0.2, "clip_ratio_high": 0.2, "clip_ratio_c": None}
     with pytest.raises(LabError, match="unknown estimator"):
         estimators.get("vespo2")

@@ -13,7 +13,10 @@ signs, to 1e-6 in loss and gradient:
                      zeroed outside [clip_min, clip_max] (*_mask) or clamped to it (*_truncate)
     aggregation: grpo, sapo: mean over ALL rows of the per-row token mean (length clamped at 1);
                  bnpo: token mean; dr_grpo: sum / (B max_completion_length);
-                 dapo, cispo, vespo: sum / num_items_in_batch (the tokens of the batch, one process).
+                 dapo, cispo, vespo: sum / num_items_in_batch (the tokens of the batch, one process);
+                 luspo: (per-token loss x mask) summed per row, mean over rows (GSPO's loss times the length)
+    off-policy sequence mask (off_policy_mask_threshold = delta): the per-token loss times
+                 1[A >= 0 or mean_t(log mu - sg[logp]) <= delta], mu the sampler's log-probs (else old's)
 """
 import math
 
@@ -46,6 +49,8 @@ def aggregate(per_token, loss_type):
     m = MASK
     if loss_type in ("grpo", "sapo"):
         return ((per_token * m).sum(-1) / m.sum(-1).clamp(min=1.0)).mean()
+    if loss_type == "luspo":
+        return (per_token * m).sum(-1).mean()
     if loss_type == "bnpo":
         return (per_token * m).sum() / m.sum().clamp(min=1.0)
     if loss_type == "dr_grpo":
@@ -63,7 +68,14 @@ def vllm_ratio(mode, clip_min=None, clip_max=3.0):
     return ratio.masked_fill((ratio < lo) | (ratio > hi), 0.0)
 
 
-def trl_loss(logp, loss_type, level="token", eps_low=0.2, eps_high=0.2, tau_pos=1.0, tau_neg=1.05, vllm=None):
+def opsm_mask(logp, delta, sampler=None):
+    mu = OLD if sampler is None else sampler
+    kl = ((mu - logp.detach()) * MASK).sum(-1, keepdim=True) / MASK.sum(-1, keepdim=True).clamp(min=1.0)
+    return ((ADV >= 0) | (kl <= delta)).double()
+
+
+def trl_loss(logp, loss_type, level="token", eps_low=0.2, eps_high=0.2, tau_pos=1.0, tau_neg=1.05, vllm=None,
+             opsm=None, opsm_sampler=None):
     log_ratio = logp - OLD
     if level == "token":
         coef = torch.exp(log_ratio)
@@ -83,6 +95,8 @@ def trl_loss(logp, loss_type, level="token", eps_low=0.2, eps_high=0.2, tau_pos=
     else:
         clipped = torch.clamp(coef, 1 - eps_low, 1 + eps_high)
         per_token = -torch.min(coef * ADV, clipped * ADV)
+    if opsm is not None:
+        per_token = per_token * opsm_mask(logp, opsm, opsm_sampler)
     if vllm is not None:
         per_token = per_token * vllm
     return aggregate(per_token, loss_type)
@@ -109,6 +123,10 @@ CASES = [
     ("cispo", {"eps_high": 5.0}, "cispo", "token-mean", {}),  # TRL's recommended epsilon_high for cispo
     ("cispo", {"eps_high": 0.2}, "cispo", "token-mean", {"clip_ratio_high": -0.8}),  # its fallback to epsilon
     ("vespo", {}, "vespo", "token-mean", {}),
+    ("luspo", {"level": "sequence", "eps_low": 2e-3, "eps_high": 2.5e-3}, "luspo", "seq-mean-token-sum", {}),
+    ("luspo", {"level": "sequence"}, "luspo", "seq-mean-token-sum", {"clip_ratio_low": 0.2, "clip_ratio_high": 0.2}),
+    ("dapo", {"eps_high": 0.28, "opsm": 0.5}, "opsm", "token-mean", {}),  # TRL's docs' delta
+    ("dapo", {"eps_high": 0.28, "opsm": 0.05}, "opsm", "token-mean", {"delta": 0.05}),  # a delta that binds
 ]
 
 
@@ -136,6 +154,16 @@ def test_three_policy_corrections_equal_trl_vllm_importance_sampling(vllm_mode, 
     assert float((ours[0] - theirs[0]).abs()) <= TOL and float((ours[1] - theirs[1]).abs().max()) <= TOL
     raw = vllm_ratio(vllm_mode.replace("truncate", "mask"), clip_max=None)  # the ratio before its band
     assert bool(((raw > 3.0) & (MASK > 0)).any())  # the band binds on a real token
+
+
+def test_off_policy_sequence_mask_with_the_sampler_equals_trl():
+    # with vLLM log-probs TRL measures the KL against the sampler and multiplies its default vLLM correction in
+    for delta in (0.5, 0.05):
+        theirs = both(lambda x: trl_loss(x, "dapo", eps_high=0.28, opsm=delta, opsm_sampler=SAMPLER,
+                                         vllm=vllm_ratio("sequence_mask")))
+        ours = lab("opsm", "token-mean", delta=delta, rollout_log_probs=SAMPLER)
+        assert float((ours[0] - theirs[0]).abs()) <= TOL and float((ours[1] - theirs[1]).abs().max()) <= TOL
+    assert float(opsm_mask(LP, 0.05).sum()) < B  # the mask drops a sequence at delta 0.05
 
 
 def test_trl_counts_empty_rows_in_the_sequence_mean_like_the_lab():

@@ -49,6 +49,15 @@ class Estimator:
     def needs_groups(self) -> bool:
         return "group_size" in self.info.inputs
 
+    @property
+    def wanted(self) -> set:
+        """Every extra input it reads (required or optional)."""
+        return set(self.info.inputs) | set(self.info.optional_inputs)
+
+    def needs_lag(self) -> bool:
+        """A-3PO's log-linear proximal policy interpolates by the version lag (lab.estimators.decoupled)."""
+        return {**self.info.defaults, **self.hyper}.get("proximal") == "loglinear"
+
     def check_inputs(self, available) -> None:
         """Refuse an estimator whose required extra inputs the caller does not provide (logits always are)."""
         missing = [k for k in self.info.inputs if k not in set(available) | {"logits"}]
@@ -63,7 +72,7 @@ class Estimator:
         (see lab.estimators.registry); ``static`` its non-tensor inputs (group_size).
         """
         static = static or {}
-        wanted = set(self.info.inputs) | set(self.info.optional_inputs)
+        wanted = self.wanted
         fn, mode, hyper = self.info.fn, self.loss_agg_mode, self.hyper
 
         def loss(logits, tokens, mask, old_log_prob, advantages, extras):

@@ -22,6 +22,16 @@ from lab.errors import LabError
 from lab.policies import Perturbed, Tempered
 
 KINDS = ("lag", "kl", "temperature")
+
+
+class Behaviour(tuple):
+    """mu as a (policy, theta) pair that also carries its version lag behind pi (``lag``: k for the "lag" knob, None
+    for the others, which have no versions)."""
+
+    def __new__(cls, policy, theta, lag: int | None = None):
+        self = super().__new__(cls, (policy, theta))
+        self.lag = lag
+        return self
 TEMPERATURES = (1e-2, 1e2)  # sampler temperatures outside this range make float logits overflow or vanish
 
 
@@ -100,7 +110,7 @@ def behaviour(problem: Problem, kind: str, value: float, trajectory: Trajectory,
     check_value(kind, value, K)
     pi = trajectory.current
     if kind == "lag":
-        return problem.policy, trajectory.snapshots[K - int(value)].clone()
+        return Behaviour(problem.policy, trajectory.snapshots[K - int(value)].clone(), int(value))
     if kind == "temperature":
         return Tempered(problem.policy, value), pi
     return kl_target(problem, pi, value, generator)

@@ -9,6 +9,16 @@ tidy rows: sampled weight diagnostics (estimator "-") and, per estimator, the st
 ``exact_bias_norm`` = ||E_mu[g] - g*|| by enumeration. A sampled (Monte Carlo) grad J comes with the trace of its
 covariance, which the statistics remove from ||g*||^2 (``lab.engine.metrics``).
 
+Estimators' inputs (``estimator_batch``): every estimator sees old_log_prob = mu's log-probs (the sampler's) and
+the group rewards, except that
+- a three-policy estimator (``rollout_log_probs`` required: decoupled PPO, M2PO, verl's decoupled presets) sees the
+  decoupled batch of a trainer that recomputes pi_old at the start of the update: old_log_prob = pi's own log-probs
+  (the first mini-batch of the update, whose gradient the engine measures) and rollout_log_probs = mu's;
+- ``selection_keys`` (Clip-Cov's random choice) are uniform numbers drawn once per staleness setting, after the
+  batches, shared by every estimator;
+- ``lag`` (A-3PO's interpolation) is the lag k of a "lag" staleness setting (the behaviour carries it).
+Estimators that only accept ``rollout_log_probs`` as optional run the two-policy form, as before.
+
 Memory: the estimates are streamed (``lab.engine.gradients.stream_gradients``), ``chunk`` replicates per vmap call
 (default ``budget_chunk(D, memory_budget)``), into ``streamed_metrics``, which holds a few times ``memory_budget``
 bytes of them at most (``lab.engine.metrics.streamed_memory`` counts them) plus the M x M Gram, whatever M and D.
@@ -27,9 +37,10 @@ from lab.engine.exact import Problem, Support
 from lab.engine.gradients import GRADIENT_MEMORY_BUDGET, budget_chunk, expected_gradient, stream_gradients
 from lab.engine.batches import Batch
 from lab.engine.metrics import streamed_metrics, weight_diagnostics
+from lab.errors import LabError
 from lab.policies import token_log_probs
 
-PROVIDED_INPUTS = ("rewards", "group_size", "logits")  # extra estimator inputs the engine provides
+PROVIDED_INPUTS = ("rewards", "group_size", "logits", "rollout_log_probs", "selection_keys", "lag")  # see the docstring
 
 
 @dataclass(frozen=True)
@@ -83,10 +94,18 @@ def measure(problem: Problem, theta_pi, mu: tuple, support_mu: Support | None, e
     buffer = None  # the [M, D] estimates of the exact path, one buffer reused by every estimator
     exact_bias = problem.reference == "exact" and sampling.advantage == "reward" and support_mu is not None
     D = int(np.prod(policy.shape))
+    lag = getattr(mu, "lag", None)
+    for est in ests:
+        if est.needs_lag() and lag is None:
+            raise LabError(f"estimator {est.name!r} with proximal='loglinear' (A-3PO) interpolates by the version lag, "
+                           f"which only the 'lag' staleness knob defines; use --staleness lag or proximal='recompute'")
+    keys = (torch.rand(batch.mask.shape, generator=generator, dtype=batch.mask.dtype)
+            if any("selection_keys" in e.wanted for e in ests) else None)
     for est in ests:
         scale, c = est.grad_scale, est.target_scale(env.length)
         g_star = c * grad_j
-        stream = _estimates(policy, theta32, batch, adv, est, G, sampling.chunk_for(D), scale, buffer)
+        est_batch, extras = estimator_batch(batch, lp_pi, est, keys, lag)
+        stream = _estimates(policy, theta32, est_batch, adv, est, extras, G, sampling.chunk_for(D), scale, buffer)
         res, metrics, buffer = streamed_metrics(stream, M, D, g_star, sampling.memory_budget, counts, sampling.ci,
                                                 buffer, target_var=c**2 * grad_j_var)
         if exact_bias and not est.info.inputs:
@@ -104,14 +123,30 @@ def measure(problem: Problem, theta_pi, mu: tuple, support_mu: Support | None, e
     return rows, points, intervals
 
 
-def _estimates(policy, theta, batch: Batch, adv, est, G: int, chunk: int, scale: float, buffer):
+def estimator_batch(batch: Batch, lp_pi: torch.Tensor, est, keys=None, lag=None) -> tuple[Batch, dict]:
+    """(the batch whose behaviour_log_probs the estimator sees as old_log_prob, its extra tensor inputs), both with the
+    replicate axis first (see the module docstring)."""
+    extras = {"rewards": batch.rewards}
+    if est.info.three_policy:
+        extras["rollout_log_probs"] = batch.behaviour_log_probs
+        batch = Batch(batch.prompts, batch.tokens, batch.mask, lp_pi.to(batch.behaviour_log_probs.dtype) * batch.mask,
+                      batch.rewards, batch.group_size)
+    if "selection_keys" in est.wanted and keys is not None:
+        extras["selection_keys"] = keys
+    if "lag" in est.wanted and lag is not None:
+        extras["lag"] = torch.full(batch.mask.shape, float(lag), dtype=batch.mask.dtype)
+    return batch, extras
+
+
+def _estimates(policy, theta, batch: Batch, adv, est, extras: dict, G: int, chunk: int, scale: float, buffer):
     """stream(start): the estimates (divided by the estimator's on-policy scale) of replicates start..M-1, ``chunk``
     replicates at a time (functional backend)."""
     def stream(start: int):
         sub = Batch(batch.prompts[start:], batch.tokens[start:], batch.mask[start:],
                     batch.behaviour_log_probs[start:], batch.rewards[start:], batch.group_size)
         out = buffer if start == 0 else None
-        for reps, g, m in stream_gradients(policy, theta, sub, adv[start:], est, {"rewards": sub.rewards},
-                                           {"group_size": G}, chunk, out=out):
+        for reps, g, m in stream_gradients(policy, theta, sub, adv[start:], est,
+                                           {k: v[start:] for k, v in extras.items()}, {"group_size": G}, chunk,
+                                           out=out):
             yield slice(reps.start + start, reps.stop + start), (g if scale == 1 else g / scale), m
     return stream

@@ -27,7 +27,9 @@ def ppo_clip_coefficient(ratio, advantage, clip_ratio_low=0.2, clip_ratio_high=0
 PPO_DOMAINS = {"clip_ratio_low": "nonnegative", "clip_ratio_high": "nonnegative", "clip_ratio_c": "> 1 or None"}
 
 
-@register("ppo_clip", family="clipping",
+@register("ppo_clip", label="PPO clip", unbiased="on-policy",
+          paper="PPO (Schulman et al. 2017, arXiv 1707.06347); GRPO (Shao et al. 2024, arXiv 2402.03300)",
+          family="clipping",
           source="PPO (Schulman et al. 2017) / GRPO (Shao et al. 2024); verl compute_policy_loss_vanilla",
           unbiased_for="biased off-policy: token ratios, clipped gradients", coefficient=ppo_clip_coefficient,
           domains=PPO_DOMAINS,

@@ -5,7 +5,8 @@ the same contract without code of its own. The contract (also in the registry's 
 
 - Order and shapes. ``fn(log_prob, old_log_prob, advantages, response_mask, loss_agg_mode, **hyper)``: the current
   policy's log-probs first. ``log_prob``, ``old_log_prob``, ``response_mask`` and the per-token extra inputs
-  (``ref_log_prob``, ``rollout_log_probs``, ``teacher_log_prob``) are [B, T]; ``advantages`` is [B, T] or [B, 1]
+  (``ref_log_prob``, ``rollout_log_probs``, ``teacher_log_prob``, ``selection_keys``, ``lag``) are [B, T];
+  ``advantages`` is [B, T] or [B, 1]
   (a 1-D [B] is refused: it would broadcast along T when B == T); ``logits`` and ``teacher_logits`` are
   [B, T, V]. Log-probs are floating point; the mask is bool, integer or float. Anything else: LabError.
 - Empty. A batch with no token positions (B = 0 or T = 0) raises LabError. A row without a real token (a response
@@ -41,7 +42,8 @@ import torch
 from lab.errors import LabError
 from lab.estimators.aggregation import check_mode
 
-PER_TOKEN = ("old_log_prob", "ref_log_prob", "rollout_log_probs", "teacher_log_prob")  # [B, T] besides log_prob
+PER_TOKEN = ("old_log_prob", "ref_log_prob", "rollout_log_probs", "teacher_log_prob", "selection_keys",
+             "lag")  # [B, T] besides log_prob
 LOG_PROBS = ("log_prob", "teacher_log_prob")  # held to <= 0 (see the module docstring for the others)
 VOCAB = ("logits", "teacher_logits")  # [B, T, V]
 HALF = (torch.float16, torch.bfloat16)
@@ -51,20 +53,28 @@ HALF = (torch.float16, torch.bfloat16)
 @dataclass(frozen=True)
 class Domain:
     """A hyper-parameter's allowed values, written as text: "positive", "nonnegative", "finite", "> X", ">= X",
-    "positive integer", "bool", each optionally followed by " or None"."""
+    "positive integer", "bool", "one of a|b|c" (names), each optionally followed by " or None"."""
     spec: str
 
     def __post_init__(self):
         base = self._base()
         if base not in ("positive", "nonnegative", "finite", "positive integer", "bool") \
-                and not re.fullmatch(r">=? *-?\d+(\.\d+)?", base):
+                and not re.fullmatch(r">=? *-?\d+(\.\d+)?", base) and not re.fullmatch(r"one of \w+(\|\w+)*", base):
             raise ValueError(f"unknown hyper-parameter domain {self.spec!r}")
+
+    def choices(self) -> tuple:
+        """The allowed names of a "one of a|b|c" domain (empty for numeric domains)."""
+        base = self._base()
+        return tuple(base[len("one of "):].split("|")) if base.startswith("one of ") else ()
 
     def _base(self) -> str:
         return self.spec[:-len(" or None")] if self.spec.endswith(" or None") else self.spec
 
     def describe(self) -> str:
         base = self._base()
+        if self.choices():
+            return "one of " + ", ".join(repr(c) for c in self.choices()) + (
+                " or None (off)" if self.spec.endswith(" or None") else "")
         text = {"positive": "a finite number > 0", "nonnegative": "a finite number >= 0", "finite": "a finite number",
                 "positive integer": "a positive whole number", "bool": "true or false"}.get(base) \
             or f"a finite number {base}"
@@ -74,6 +84,8 @@ class Domain:
         if value is None:
             return self.spec.endswith(" or None")
         base = self._base()
+        if self.choices():
+            return isinstance(value, str) and value in self.choices()
         if base == "bool":
             return isinstance(value, bool)
         if base == "positive integer":
@@ -100,6 +112,16 @@ def check_values(name: str, domains: dict, hyper: dict, check: Callable | None =
         problem = check(hyper)
         if problem:
             raise LabError(f"estimator {name!r}: {problem}")
+
+
+def ordered(low: str, high: str) -> Callable:
+    """A cross-field ``check``: refuse hyper-parameters where ``low`` exceeds ``high`` (an empty band)."""
+    def check(hyper: dict) -> str | None:
+        if hyper[low] > hyper[high]:
+            return f"the band is empty: {low} ({hyper[low]}) exceeds {high} ({hyper[high]})"
+        return None
+
+    return check
 
 
 # ----------------------------------------------------------------------------------------------- inputs

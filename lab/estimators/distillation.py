@@ -103,7 +103,8 @@ def _check_k(k) -> None:
 
 # ---- the estimators ---------------------------------------------------------------------------------------------
 
-@register("opd", family="distillation",
+@register("opd", label="OPD", paper="On-policy distillation (Thinking Machines 2025)", unbiased="other",
+          family="distillation",
           source="Thinking Machines on-policy distillation (2025); tinker-cookbook, slime, verl use_policy_gradient",
           unbiased_for=f"on-policy: the {PER_TOKEN} (immediate reward); with return_to_go=True the {SEQUENCE}",
           inputs=("teacher_log_prob",), domains={"return_to_go": "bool", "importance_weights": "bool"},
@@ -120,7 +121,8 @@ def opd(log_prob, old_log_prob, advantages, response_mask, loss_agg_mode="token-
                   "advantage_sq": masked_mean(coef**2, response_mask)}
 
 
-@register("vopd", family="distillation", source="vOPD (Oh et al. 2026, arXiv 2605.07865), full-vocabulary baseline",
+@register("vopd", label="vOPD", paper="vOPD (Oh et al. 2026, arXiv 2605.07865)", unbiased="other",
+          family="distillation", source="vOPD (Oh et al. 2026, arXiv 2605.07865), full-vocabulary baseline",
           unbiased_for=f"on-policy: the {PER_TOKEN} (the baseline -KL_t depends on the state only)",
           inputs=("teacher_log_prob", "logits", "teacher_logits"), domains={"importance_weights": "bool"})
 def vopd(log_prob, old_log_prob, advantages, response_mask, loss_agg_mode="token-mean", *, teacher_log_prob, logits,
@@ -133,7 +135,8 @@ def vopd(log_prob, old_log_prob, advantages, response_mask, loss_agg_mode="token
     return loss, {"reverse_kl_full": masked_mean(kl, response_mask), "advantage_sq": masked_mean(adv**2, response_mask)}
 
 
-@register("vopd_topk", family="distillation", source="vOPD release (holi-lab/vOPD), kl_top_k = 100",
+@register("vopd_topk", label="vOPD top-k", paper="vOPD (Oh et al. 2026, arXiv 2605.07865)", unbiased="other",
+          family="distillation", source="vOPD release (holi-lab/vOPD), kl_top_k = 100",
           unbiased_for=f"on-policy: the {PER_TOKEN}, for any k (the top-k KL is a state-only baseline)",
           inputs=("teacher_log_prob", "logits", "teacher_logits"),
           domains={"k": "positive integer", "importance_weights": "bool"})
@@ -150,7 +153,9 @@ def vopd_topk(log_prob, old_log_prob, advantages, response_mask, loss_agg_mode="
                   "advantage_sq": masked_mean(adv**2, response_mask)}
 
 
-@register("kl_full", family="distillation",
+@register("kl_full", label="Full-vocab KL", unbiased="other",
+          paper="vOPD (Oh et al. 2026, arXiv 2605.07865), full-vocabulary reverse KL",
+          family="distillation",
           source="full-vocabulary reverse KL (GKD, Agarwal et al. 2024; the vOPD release's full-vocab OPD)",
           unbiased_for=f"on-policy: the {PER_TOKEN} (exact at every sampled state)",
           inputs=("logits", "teacher_logits"))
@@ -160,7 +165,9 @@ def kl_full(log_prob, old_log_prob, advantages, response_mask, loss_agg_mode="to
     return agg_loss(kl, response_mask, loss_agg_mode), {"reverse_kl_full": masked_mean(kl.detach(), response_mask)}
 
 
-@register("kl_topk", family="distillation", source="top-k restricted reverse KL (the vOPD release's opd_top_k)",
+@register("kl_topk", label="Top-k KL", unbiased="other",
+          paper="vOPD (Oh et al. 2026, arXiv 2605.07865), top-k reverse KL",
+          family="distillation", source="top-k restricted reverse KL (the vOPD release's opd_top_k)",
           unbiased_for="biased for both targets: the renormalised top-k KL ignores the student's mass outside its "
                        "top-k (exact only when k >= V)",
           inputs=("logits", "teacher_logits"), domains={"k": "positive integer"})

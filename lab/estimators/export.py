@@ -30,8 +30,9 @@ tokens and the seq-mean-* modes by its NON-EMPTY rows. One difference: an all-ma
 verl's token-mean gives 0/0.
 
 ``rollout_is_weights`` (verl's decoupled-mode correction) are applied as verl's losses apply them, by multiplying
-the per-token loss; for every exported estimator but two that loss is positively homogeneous in the advantage, so
-the weights scale the advantages (exact). GMPO takes their geometric mean per sequence as verl's geo_mean does;
+the per-token loss; where that loss is positively homogeneous in the advantage (``EstimatorInfo.homogeneous``) the
+weights scale the advantages (exact); the others (DRO's penalty, BAPO's and the covariance rules' A-dependent
+selections, VCPO, M2PO's clip) refuse them. GMPO takes their geometric mean per sequence as verl's geo_mean does;
 VESPO folds log w into its sequence log-weight as VESPO's reference code does (rollout_log_probs =
 old_log_prob - log max(w, 1e-8)). Metrics come back as floats: ``actor/ppo_kl``, ``actor/pg_clipfrac``,
 ``actor/pg_clipfrac_lower`` where the estimator has them, the rest as ``<name>/<metric>``.
@@ -140,6 +141,10 @@ def to_verl(name: str, **hyper) -> Callable:
         params = verl_hyper(name, config, hyper)
         named = {}
         adv = advantages
+        if rollout_is_weights is not None and not i.homogeneous and name not in ("vespo", "gmpo"):
+            raise LabError(f"estimator {name!r} is not linear in the advantage (its selection or penalty depends on "
+                           f"A's size), so verl's rollout_is_weights cannot be folded into it; use verl's bypass mode "
+                           f"(no weights) or an estimator that takes rollout_log_probs")
         if rollout_is_weights is not None:
             w = rollout_is_weights.detach().to(dtype)
             if name == "vespo":

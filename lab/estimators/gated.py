@@ -62,7 +62,8 @@ def _cispo_range(hyper: dict) -> str | None:
     return None
 
 
-@register("cispo", family="gated",
+@register("cispo", label="CISPO", paper="CISPO (MiniMax-M1, arXiv 2506.13585)", unbiased="on-policy",
+          family="gated",
           source="CISPO (MiniMax-M1, arXiv 2506.13585); verl compute_policy_loss_cispo; TRL loss_type='cispo'",
           unbiased_for="biased off-policy: token ratios (no prefix weight) truncated at 1 + eps_high = 5; exactly "
                        "REINFORCE on-policy (not with TRL's 0.2 fallback cap)",
@@ -85,7 +86,8 @@ def cispo(log_prob, old_log_prob, advantages, response_mask, loss_agg_mode="toke
                   "ppo_kl": masked_mean(old_log_prob - log_prob, response_mask).detach()}
 
 
-@register("sapo", family="gated",
+@register("sapo", label="SAPO", paper="SAPO (Gao et al. 2025, arXiv 2511.20347)", unbiased="on-policy",
+          family="gated",
           source="SAPO (Gao et al. 2025, arXiv 2511.20347); verl compute_policy_loss_sapo; TRL loss_type='sapo'",
           unbiased_for="biased off-policy: token ratios with a smooth gate 4 s(1-s) rho; exactly REINFORCE on-policy "
                        "(the gate's slope at rho = 1 is 1 for any tau)",

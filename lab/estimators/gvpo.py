@@ -63,17 +63,19 @@ from lab.estimators.registry import register
 DEFAULT_BETA = 0.1  # gvpo_beta in the authors' run script
 
 
-def check_groups(batch_size: int, group_size) -> int:
+def check_groups(batch_size: int, group_size, name: str = "GVPO", why: str = "its loss centres each group and "
+                 "divides by k - 1") -> int:
     """The group size as an int; LabError unless the batch splits into whole groups of at least 2."""
     try:
         k = operator.index(group_size)
     except TypeError:
-        raise LabError(f"GVPO needs group_size as a whole number of responses per prompt, got {group_size!r}") from None
+        raise LabError(f"{name} needs group_size as a whole number of responses per prompt, got {group_size!r}") \
+            from None
     if k < 2:
-        raise LabError(f"GVPO needs at least 2 responses per prompt (group_size {k}): its loss centres each group "
-                       f"and divides by k - 1; sample several responses per prompt (e.g. --group-size 4)")
+        raise LabError(f"{name} needs at least 2 responses per prompt (group_size {k}): {why}; sample several "
+                       f"responses per prompt (e.g. --group-size 4)")
     if batch_size % k:
-        raise LabError(f"GVPO needs the batch to split into whole groups: {batch_size} responses is not a multiple "
+        raise LabError(f"{name} needs the batch to split into whole groups: {batch_size} responses is not a multiple "
                        f"of group_size {k}; each run of group_size consecutive responses must share one prompt")
     return k
 
@@ -97,7 +99,8 @@ def gvpo_weights(rewards, seq_log_ratio, group_size: int, beta: float = DEFAULT_
     return w.reshape(rewards.shape)
 
 
-@register("gvpo", family="group-regression",
+@register("gvpo", label="GVPO", paper="GVPO (Zhang et al. 2025, arXiv 2504.19599)", unbiased="other",
+          family="group-regression",
           source="GVPO (Zhang et al., arXiv 2504.19599, NeurIPS 2025); official verl recipe compute_policy_loss_gvpo",
           unbiased_for="beta * grad [J - beta KL(pi||pi_ref')] on-policy (beta * grad J at pi = pi_ref'); off-policy "
                        "not an estimate of grad J: its expected loss 1/2 Var_mu(beta log(pi/pi_ref') - R) is minimised "

@@ -78,7 +78,8 @@ def _penalty(k, log_prob, ref_log_prob, response_mask, loss_agg_mode):
     return agg_loss(values, response_mask, loss_agg_mode), {"kl_mean": masked_mean(values, response_mask).detach()}
 
 
-@register("kl_k1", family="kl-penalty", source="Schulman 2020 'Approximating KL divergence' (k1); verl kl_loss_type=k1",
+@register("kl_k1", label="KL k1", paper="Schulman 2020, 'Approximating KL divergence'", unbiased="other",
+          family="kl-penalty", source="Schulman 2020 'Approximating KL divergence' (k1); verl kl_loss_type=k1",
           unbiased_for="value: KL(pi||pi_ref) per token on-policy; gradient: E_pi[grad k1] = 0 (not a KL gradient; "
                        "pure noise as a loss)",
           coefficient=k1_coefficient, inputs=("ref_log_prob",))
@@ -90,7 +91,8 @@ def kl_k1(log_prob, old_log_prob, advantages, response_mask, loss_agg_mode="toke
     return _penalty(k1_value, log_prob, ref_log_prob, response_mask, loss_agg_mode)
 
 
-@register("kl_k2", family="kl-penalty", source="Schulman 2020 'Approximating KL divergence' (k2); verl kl_loss_type=k2",
+@register("kl_k2", label="KL k2", paper="Schulman 2020, 'Approximating KL divergence'", unbiased="other",
+          family="kl-penalty", source="Schulman 2020 'Approximating KL divergence' (k2); verl kl_loss_type=k2",
           unbiased_for="gradient: E_pi[grad k2] = grad KL(pi||pi_ref) per state, exactly (its value is biased)",
           coefficient=k2_coefficient, inputs=("ref_log_prob",))
 def kl_k2(log_prob, old_log_prob, advantages, response_mask, loss_agg_mode="token-mean", *, ref_log_prob):
@@ -101,7 +103,9 @@ def kl_k2(log_prob, old_log_prob, advantages, response_mask, loss_agg_mode="toke
     return _penalty(k2_value, log_prob, ref_log_prob, response_mask, loss_agg_mode)
 
 
-@register("kl_k3", family="kl-penalty",
+@register("kl_k3", label="KL k3", unbiased="other",
+          paper="Schulman 2020, 'Approximating KL divergence'; GRPO (arXiv 2402.03300)",
+          family="kl-penalty",
           source="Schulman 2020 'Approximating KL divergence' (k3); verl low_var_kl (clamped to [-10, 10]); GRPO",
           unbiased_for="value: KL(pi||pi_ref) per token on-policy; gradient: E_pi[grad k3] = grad KL(pi_ref||pi), the "
                        "FORWARD KL (inside the k3 <= 10 clamp)",

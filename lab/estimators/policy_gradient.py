@@ -34,7 +34,8 @@ def identity_coefficient(ratio, advantage=None):
     return torch.as_tensor(ratio, dtype=torch.float64)
 
 
-@register("reinforce", family="on-policy",
+@register("reinforce", label="REINFORCE", paper="REINFORCE (Williams 1992)", unbiased="on-policy",
+          family="on-policy",
           source="Williams 1992; REINFORCE without correction; verl compute_policy_loss_reinforce (no IS weights)",
           unbiased_for="grad J on-policy only (mu = pi); ignores staleness", coefficient=unit_coefficient)
 def reinforce(log_prob, old_log_prob, advantages, response_mask, loss_agg_mode="token-mean"):
@@ -43,7 +44,8 @@ def reinforce(log_prob, old_log_prob, advantages, response_mask, loss_agg_mode="
     return loss, {"ppo_kl": masked_mean(old_log_prob - log_prob, response_mask).detach()}
 
 
-@register("seq_is", family="importance-sampling",
+@register("seq_is", label="Seq IS", paper="Sequence-level importance sampling (Precup et al. 2000)", unbiased="always",
+          family="importance-sampling",
           source="sequence-level IS (Precup et al. 2000); verl rollout correction rollout_is='sequence' in bypass "
                  "mode with loss_type='reinforce'",
           unbiased_for="grad J at any staleness (up to the |L| <= 20 clamp)", coefficient=identity_coefficient,
@@ -59,7 +61,9 @@ def seq_is(log_prob, old_log_prob, advantages, response_mask, loss_agg_mode="tok
                   "ppo_kl": masked_mean(old_log_prob - log_prob, response_mask).detach()}
 
 
-@register("token_is", family="importance-sampling", source="PPO surrogate without clipping (Schulman et al. 2017)",
+@register("token_is", label="Token IS", unbiased="on-policy",
+          paper="PPO surrogate without clipping (Schulman et al. 2017, arXiv 1707.06347)",
+          family="importance-sampling", source="PPO surrogate without clipping (Schulman et al. 2017)",
           unbiased_for="biased for sequences: ignores the prefix ratio", coefficient=identity_coefficient)
 def token_is(log_prob, old_log_prob, advantages, response_mask, loss_agg_mode="token-mean"):
     """Token IS: loss_t = -A rho_t, rho_t = pi(y_t|s_t)/mu(y_t|s_t); grad = sum_t rho_t A grad log pi(y_t|s_t)."""

@@ -12,7 +12,17 @@ distillation family, a reference policy for KL penalties, the sampler's log-prob
 batch) name those extra inputs as keyword-only arguments and list them in ``inputs=``; callers pass them by
 name. Known extra inputs (all [B, T] unless said): ``rewards`` [B], ``group_size`` (int), ``logits`` [B, T, V]
 (the current policy's, carrying the gradient), ``teacher_log_prob``, ``teacher_logits`` [B, T, V],
-``ref_log_prob``, ``rollout_log_probs``.
+``ref_log_prob``, ``rollout_log_probs``, ``selection_keys`` (uniform random numbers that order a random choice of
+tokens), ``lag`` (the policy versions between the sampler and the current policy, per token).
+
+Three-policy batches. An estimator that lists ``rollout_log_probs`` in ``inputs`` (required) computes a decoupled
+loss (verl's decoupled mode, AReaL's decoupled PPO): ``old_log_prob`` is then the proximal policy pi_old that the
+trainer recomputes at the start of the update and ``rollout_log_probs`` the sampler mu. The engines supply it so
+(lab.engine.estimator.Estimator.three_policy). Estimators that list it in ``optional_inputs`` run the two-policy form
+(``old_log_prob`` = mu) unless the caller passes it.
+
+Named presets. ``info("verl:NAME")`` resolves one of verl's rollout-correction presets
+(lab.estimators.presets) to the registered estimator and hyper-parameters it maps to, with the preset's name.
 
 The contract (every registered function is wrapped by lab.estimators.contract.guard, so each estimator, and any
 later one, is held to it; ``check_inputs`` runs the same checks on their own):
@@ -42,14 +52,21 @@ from lab.errors import LabError
 from lab.estimators.contract import Domain, check_values, guard
 
 
+UNBIASED = ("always", "on-policy", "never", "other")  # the machine-checked form of ``unbiased_for``
+
+
 @dataclass(frozen=True)
 class EstimatorInfo:
     name: str
     fn: Callable  # the guarded function (see the module docstring)
     family: str  # on-policy | importance-sampling | clipping | ...
-    source: str  # the paper or system the formula and defaults come from
+    source: str  # the paper or system the formula and defaults come from, with file and commit where code ships
     unbiased_for: str  # what its expectation equals, or "biased" with the reason
     description: str  # one line
+    label: str = ""  # display name in tables and figures ("Seq IS", "PPO clip", "VESPO")
+    paper: str = ""  # the paper or system it comes from, with its arXiv id where there is one
+    unbiased: str = "other"  # checked by enumeration: "always" (E = c grad J at any staleness), "on-policy" (only at
+    # mu = pi), "never" (biased even on-policy), "other" (another target: KL penalties, distillation, GVPO)
     coefficient: Callable | None = None  # effective coefficient on grad log pi, as a plain function
     defaults: dict = field(default_factory=dict)  # hyper-parameters and their defaults
     inputs: tuple = ()  # extra named inputs, required (see the module docstring)
@@ -61,19 +78,30 @@ class EstimatorInfo:
     domains: dict = field(default_factory=dict)  # hyper-parameter -> Domain (allowed values)
     check: Callable | None = None  # hyper -> None, or a sentence naming a conflict between hyper-parameters
     differences: str = ""  # deliberate differences from the code it cites (verl, TRL, the authors'); "" if none
+    homogeneous: bool = True  # per-token loss(w A) = w loss(A) for w >= 0: verl's rollout_is_weights can scale A
+
+    @property
+    def three_policy(self) -> bool:
+        """Whether it needs a decoupled batch: old_log_prob = the recomputed pi_old, rollout_log_probs = mu."""
+        return "rollout_log_probs" in self.inputs
 
 
 _REGISTRY: dict[str, EstimatorInfo] = {}
 
 
-def register(name: str, *, family: str, source: str, unbiased_for: str, coefficient: Callable | None = None,
-             inputs: tuple = (), optional_inputs: tuple = (), grad_scale: Callable | None = None,
-             ratio: str = "token", fixed_agg: bool = False, domains: dict | None = None,
-             check: Callable | None = None, differences: str = ""):
+def register(name: str, *, family: str, source: str, unbiased_for: str, label: str = "", paper: str = "",
+             unbiased: str = "other", coefficient: Callable | None = None, inputs: tuple = (), optional_inputs: tuple = (),
+             grad_scale: Callable | None = None, ratio: str = "token", fixed_agg: bool = False,
+             domains: dict | None = None, check: Callable | None = None, differences: str = "",
+             homogeneous: bool = True):
     """Decorator: add ``fn`` to the registry, held to the contract (see the module docstring). Its keyword defaults
     (other than the named inputs) become the registry's hyper-parameter defaults; each needs a domain in
     ``domains`` ("positive", "nonnegative", "finite", "> X", ">= X", "positive integer", "bool", optionally
-    followed by " or None")."""
+    followed by " or None", or "one of a|b|c"). ``label`` (default: the name) and ``paper`` are what tables and
+    figures show; ``unbiased`` is one of UNBIASED (tests/test_estimator_unbiasedness.py checks it by enumeration;
+    "other", the default, is not checked)."""
+    if unbiased not in UNBIASED:
+        raise ValueError(f"register({name!r}): unbiased must be one of {UNBIASED}, got {unbiased!r}")
 
     def wrap(fn):
         signature = inspect.signature(fn).parameters
@@ -91,9 +119,10 @@ def register(name: str, *, family: str, source: str, unbiased_for: str, coeffici
         guarded = guard(name, fn, tuple(inputs), tuple(optional_inputs), info)
         _REGISTRY[name] = EstimatorInfo(
             name=name, fn=guarded, family=family, source=source, unbiased_for=unbiased_for,
-            description=doc[0] if doc else "", coefficient=coefficient, defaults=defaults, inputs=tuple(inputs),
-            optional_inputs=tuple(optional_inputs), grad_scale=grad_scale, ratio=ratio, loss_agg_mode=agg,
-            fixed_agg=fixed_agg, domains=parsed, check=check, differences=differences)
+            description=doc[0] if doc else "", label=label or name, paper=paper, unbiased=unbiased, coefficient=coefficient,
+            defaults=defaults, inputs=tuple(inputs), optional_inputs=tuple(optional_inputs), grad_scale=grad_scale,
+            ratio=ratio, loss_agg_mode=agg, fixed_agg=fixed_agg, domains=parsed, check=check, differences=differences,
+            homogeneous=homogeneous)
         return guarded
 
     return wrap
@@ -104,9 +133,15 @@ def names() -> list[str]:
 
 
 def info(name: str) -> EstimatorInfo:
-    if name not in _REGISTRY:
-        raise LabError(f"unknown estimator {name!r}; known estimators: {', '.join(_REGISTRY)} (see `lab estimators`)")
-    return _REGISTRY[name]
+    """The registry entry of ``name``, or of a named preset such as "verl:decoupled_geo_rs" (lab.estimators.presets)."""
+    if name in _REGISTRY:
+        return _REGISTRY[name]
+    if isinstance(name, str) and ":" in name:
+        from lab.estimators.presets import preset_info
+
+        return preset_info(name)
+    raise LabError(f"unknown estimator {name!r}; known estimators: {', '.join(_REGISTRY)}, and verl's presets as "
+                   f"verl:NAME (see `lab estimators` and `lab estimators --preset verl`)")
 
 
 def get(name: str) -> Callable:

@@ -74,7 +74,8 @@ def gmpo_coefficient(ratio, advantage, clip_ratio_low=0.4, clip_ratio_high=0.4, 
     return torch.where(passes, seq_ratio * torch.ones_like(ratio), torch.zeros_like(ratio))
 
 
-@register("gspo", family="sequence-ratio",
+@register("gspo", label="GSPO", paper="GSPO (Zheng et al. 2025, arXiv 2507.18071)", unbiased="on-policy",
+          family="sequence-ratio",
           source="GSPO (Zheng et al. 2025, arXiv 2507.18071), GSPO-token trick; verl compute_policy_loss_gspo",
           unbiased_for="biased off-policy: the length-normalised ratio s = W^(1/|y|) is not an IS weight, and the "
                        "1 +/- (3e-4, 4e-4) clip removes most off-policy sequences; exactly REINFORCE on-policy under "
@@ -91,22 +92,30 @@ def gspo(log_prob, old_log_prob, advantages, response_mask, loss_agg_mode="seq-m
 
     Source: GSPO (Zheng et al. 2025, arXiv 2507.18071, section 5.1 clip range); verl compute_policy_loss_gspo.
     """
+    return sequence_clip_loss(log_prob, old_log_prob, advantages, response_mask, loss_agg_mode, clip_ratio_low,
+                              clip_ratio_high, GSPO_LOG_RATIO_MAX)
+
+
+def sequence_clip_loss(log_prob, old_log_prob, advantages, response_mask, loss_agg_mode, clip_ratio_low,
+                       clip_ratio_high, log_ratio_max):
+    """PPO's clip on the GSPO-token ratio s_it (value s_i = exp(L_i/|y_i|), log s_it clamped at ``log_ratio_max``)."""
     length = response_mask.sum(-1, keepdim=True).clamp(min=1.0)
     zero = torch.zeros((), dtype=log_prob.dtype)
     delta = torch.where(response_mask > 0, (log_prob - old_log_prob) * response_mask, zero)
     log_s = (delta.sum(-1, keepdim=True) / length).detach()  # [B, 1]
-    log_s_t = torch.clamp(log_prob - log_prob.detach() + log_s, max=GSPO_LOG_RATIO_MAX)
+    log_s_t = torch.clamp(log_prob - log_prob.detach() + log_s, max=log_ratio_max)
     s_t = torch.exp(log_s_t)
     unclipped = -advantages * s_t
     clipped = -advantages * torch.clamp(s_t, 1 - clip_ratio_low, 1 + clip_ratio_high)
     loss = agg_loss(torch.maximum(unclipped, clipped), response_mask, loss_agg_mode)
     return loss, {"clipfrac": masked_mean((clipped > unclipped).to(s_t.dtype), response_mask).detach(),
-                  "seq_ratio_mean": _seq_mean(torch.exp(torch.clamp(log_s, max=GSPO_LOG_RATIO_MAX)),
+                  "seq_ratio_mean": _seq_mean(torch.exp(torch.clamp(log_s, max=log_ratio_max)),
                                               response_mask).detach(),
                   "ppo_kl": masked_mean(old_log_prob - log_prob, response_mask).detach()}
 
 
-@register("gmpo", family="sequence-ratio",
+@register("gmpo", label="GMPO", paper="GMPO (Zhao et al. 2025, arXiv 2507.20673)", unbiased="on-policy",
+          family="sequence-ratio",
           source="GMPO (Zhao et al. 2025, arXiv 2507.20673); reference code callsys/GMPO; "
                  "verl compute_policy_loss_geo_mean",
           unbiased_for="biased off-policy: geometric-mean ratio of sign-aware log-clipped token ratios (eps = 0.4) is "
@@ -136,3 +145,4 @@ def gmpo(log_prob, old_log_prob, advantages, response_mask, loss_agg_mode="seq-m
         "clipfrac": masked_mean(clipped, response_mask).detach(),
         "seq_ratio_mean": _seq_mean(r, response_mask).detach(),
         "ppo_kl": masked_mean(old_log_prob - log_prob, response_mask).detach()}
+

@@ -45,6 +45,7 @@ from __future__ import annotations
 import torch
 
 from lab.estimators.aggregation import agg_loss, masked_mean
+from lab.estimators.contract import ordered
 from lab.estimators.policy_gradient import sequence_log_weight, token_log_ratio
 from lab.estimators.registry import register
 
@@ -129,14 +130,13 @@ ROLLOUT_RS = ("verl's rejection sampling (rollout_rs) and rollout_is_batch_norma
               "itself, where verl passes precomputed rollout_is_weights")
 
 
-def _band(hyper: dict) -> str | None:
-    if hyper["lower"] > hyper["upper"]:
-        return f"the band is empty: lower ({hyper['lower']}) exceeds upper ({hyper['upper']})"
-    return None
+_band = ordered("lower", "upper")
 
 
 # ----------------------------------------------------------------------------------------------- estimators
-@register("tis_token", family="truncated-IS",
+@register("tis_token", label="Token TIS", unbiased="on-policy",
+          paper="TIS (Yao et al. 2025, 'Your efficient RL framework secretly brings you off-policy RL training')",
+          family="truncated-IS",
           source="truncated IS (Ionides 2008); Yao et al. 2025 'Your efficient RL framework secretly brings you "
                  "off-policy RL training'; verl rollout_is='token' threshold 2.0; slime TIS tis_clip 2",
           unbiased_for="biased: token ratios ignore the prefix weight (token IS) and truncation drops the mass "
@@ -161,7 +161,9 @@ def tis_token(log_prob, old_log_prob, advantages, response_mask, loss_agg_mode="
     return loss, metrics
 
 
-@register("tis_seq", family="truncated-IS",
+@register("tis_seq", label="Seq TIS", unbiased="on-policy",
+          paper="Truncated sequence IS (Ionides 2008); verl rollout correction",
+          family="truncated-IS",
           source="truncated sequence IS (Ionides 2008); verl rollout_is='sequence' threshold 2.0 (bypass_pg_is, "
                  "decoupled_seq_is presets); TRL vllm_importance_sampling_mode='sequence_truncate'",
           unbiased_for="biased downward where W > C: E_mu[min(W, C) A grad log pi] = grad J - E_mu[(W - C)+ A grad "
@@ -186,7 +188,9 @@ def tis_seq(log_prob, old_log_prob, advantages, response_mask, loss_agg_mode="to
     return loss, metrics
 
 
-@register("mis_token", family="masked-IS",
+@register("mis_token", label="IcePop", unbiased="on-policy",
+          paper="IcePop (Ling team 2025, Ring-1T 'Every Step Evolves')",
+          family="masked-IS",
           source="IcePop (Ling team 2025, 'Every Step Evolves', Ring-1T): mask [0.5, 5]; verl rollout_is_threshold="
                  "'0.5_5.0'; slime IcePop",
           unbiased_for="biased: token ratios ignore the prefix weight, and masked tokens (rho outside [lo, hi]) "
@@ -213,7 +217,9 @@ def mis_token(log_prob, old_log_prob, advantages, response_mask, loss_agg_mode="
     return loss, metrics
 
 
-@register("mis_seq", family="masked-IS",
+@register("mis_seq", label="Seq MIS", unbiased="on-policy",
+          paper="Sequence masked IS (verl rollout correction; TRL sequence_mask)",
+          family="masked-IS",
           source="sequence masked IS: verl rollout_is='sequence', rollout_is_threshold='0.5_2.0' (the band of its "
                  "Seq-MIS preset); TRL vllm_importance_sampling_mode='sequence_mask' (lower=0, upper=3)",
           unbiased_for="biased: drops whole sequences with W outside [lo, hi]: E = grad J - E_pi[1[W not in "

@@ -191,7 +191,8 @@ def sequence_log_weight(log_prob, old_log_prob, response_mask, rollout_log_probs
     return torch.clamp(L, -LOG_RATIO_BOUND, LOG_RATIO_BOUND), correction
 
 
-@register("vespo", family="sequence-reshaping",
+@register("vespo", label="VESPO", paper="VESPO (Shen et al. 2026, arXiv 2602.10693)", unbiased="on-policy",
+          family="sequence-reshaping",
           source="VESPO (Shen et al., arXiv 2602.10693); FloyedShen/VESPO recipe/vespo/code/core_algos.py",
           unbiased_for="biased: E[phi(W) A grad log pi] is Z times the gradient under the implicit proposal "
                        "Q ~ mu phi(W), not grad J (equal to REINFORCE on-policy, where W = phi = 1)",
