@@ -194,7 +194,8 @@ def test_heavy_tailed_steps_raise_the_khat_warning(tmp_path):
     rng = np.random.default_rng(6)
     calm = [np.full(20, x) for x in rng.normal(0, 0.01, 200)]
     wild = [np.full(20, x) for x in rng.standard_t(1.5, 200) * 0.4]  # sequence log-weights with a heavy tail
-    d = diagnose(log_from_deltas(tmp_path / "log", [calm, wild, wild]), progress=False)
+    probs = [[rng.random(20) for _ in calm], *[[np.full(20, 1e-12) for _ in wild]] * 2]  # room for log-ratios > 0
+    d = diagnose(log_from_deltas(tmp_path / "log", [calm, wild, wild], probs), progress=False)
     ps = d.tables["per_step"].set_index("step")
     assert not ps.loc[1, "khat_warning"] and ps.loc[2, "khat_warning"] and ps.loc[3, "khat_warning"]
     np.testing.assert_allclose(ps.loc[2, "khat"], diagnostics.psis_khat(np.array([w.sum() for w in wild])), rtol=1e-5)

@@ -75,6 +75,12 @@ def resolve(pairs_available, names=CORRECTIONS, pair: str = "natural", hyper: di
 
         raise LabError(f"hyper-parameters given for {', '.join(stray)}, which the report does not evaluate; it evaluates "
                        f"{', '.join(names)}")
+    if pair != "natural" and pair not in pairs_available:
+        from lab.errors import LabError
+        from lab.diagnose.streaming import PAIRS
+
+        raise LabError(f"--pair {pair} compares {' and '.join(PAIRS[pair])}, which this log does not both have "
+                       f"(it has the pairs: {', '.join(pairs_available) or 'none'}); choose one of those or natural")
     out = []
     for name in names:
         info = estimators.info(name)  # LabError for an unknown name

@@ -31,7 +31,7 @@ import numpy as np
 import pandas as pd
 import torch
 
-from lab.diagnose import histogram as H
+from lab.diagnose import dashboards, histogram as H
 from lab.diagnose.corrections import CORRECTIONS, resolve, token_effect
 from lab.diagnose.neutral import RolloutLog
 from lab.errors import LabError
@@ -45,6 +45,12 @@ LOW_P = 0.1
 MAX_LAG = 64  # lag buckets 0..63, 64 = "64 or more", 65 = negative, 66 = unknown
 KHAT_WARN = 0.7
 QS = (0.01, 0.05, 0.5, 0.95, 0.99)
+LOGP_MAX = 0.1  # a log-prob above this (probability above 1.105) is no rounding of a log-softmax: bad input
+
+
+def pairs_of(logp_columns) -> list[str]:
+    """The log-ratio pairs a log with these log-prob columns can form, in PAIRS order."""
+    return [p for p in ("mismatch", "update", "total") if all(c in logp_columns for c in PAIRS[p])]
 
 
 @dataclass
@@ -100,7 +106,7 @@ class _Pass:
         self.index = _SeqIndex(self.seq)
         n = len(self.seq)
         cols = log.logp_columns
-        self.pairs = [p for p in ("mismatch", "update", "total") if all(c in cols for c in PAIRS[p])]
+        self.pairs = pairs_of(cols)
         if not self.pairs:
             raise LabError(f"{log.path}: no pair of log-prob columns to compare (has {', '.join(cols)})")
         self.corrections = resolve(self.pairs, names, pair, hyper)
@@ -135,6 +141,7 @@ class _Pass:
         vmin, vmax = self.seq["version_min"].to_numpy(np.float64), self.seq["version_max"].to_numpy(np.float64)
         self.seq_ver = np.where(vmin == vmax, vmin, np.nan)  # a token's version when its row has none
         self.adv_source = set()
+        self.dash = dashboards.Accumulator(n, S) if "mismatch" in self.pairs else None
         self.dtype = np.float32 if log.meta["logp_dtype"] == "float32" else np.float64
 
     # ------------------------------------------------------------------------------------------------ per chunk
@@ -189,23 +196,41 @@ class _Pass:
                            f"= {self.resp_len[seq_idx[r]] - 1} of (step {step[r]}, sample_id {sid[r]})")
 
     def _count_bad(self, offset: int, c: dict, mask, seq_idx, pos, run_seq, starts) -> np.ndarray:
-        """Loss-masked tokens with a missing or NaN log-prob in any column: counted per column and per sequence, the
-        first one remembered; returns the mask of such tokens."""
+        """Loss-masked tokens with a missing, NaN or infinite log-prob in any column: counted per column and per
+        sequence, the first one remembered; returns the mask of such tokens. A log-prob above LOGP_MAX (a
+        probability above 1) stops the pass at once, whatever ``nan``."""
         n = len(mask)
         bad_any = np.zeros(n, bool)
         for col in self.log.logp_columns:
-            bad = mask & ~np.isfinite(c[col])
+            x = c[col]
+            with np.errstate(invalid="ignore"):
+                high = mask & (x > LOGP_MAX)
+            if high.any():
+                j = int(np.argmax(high))
+                raise LabError(f"{self._where(offset + j, int(seq_idx[j]), int(pos[j]))}: {col} is {float(x[j]):.6g}, "
+                               f"a log-probability above 0 (probability {'above 1' if x[j] < 700 else 'infinite'}); "
+                               f"the log holds something else than log-probs (logits? probabilities?)")
+            bad = mask & ~np.isfinite(x)
             k = int(bad.sum())
             if k:
                 self.bad[col] += k
                 row = offset + int(np.argmax(bad))
                 if self.first_bad is None or row < self.first_bad[0]:
                     j = int(np.argmax(bad))
-                    self.first_bad = (row, col, int(seq_idx[j]), int(pos[j]))
+                    what = "missing or NaN" if np.isnan(x[j]) else "+inf" if x[j] > 0 else \
+                        "-inf (probability 0 for a sampled token)"
+                    self.first_bad = (row, col, int(seq_idx[j]), int(pos[j]), what)
                 bad_any |= bad
         if bad_any.any():
             _add_at(self.n_bad_seq, run_seq, np.add.reduceat(bad_any.astype(np.float64), starts))
         return bad_any
+
+    def _where(self, row: int, si: int, pos: int) -> str:
+        """Where a token is: its dump's origin and position, else the tokens file's row."""
+        r = self.seq.iloc[si]
+        if _has_origin(r):
+            return f"{r['origin']}: token {pos} of step {r['step']}"
+        return f"{self.log.tokens_file}: row {row}: step {r['step']}, sample_id {r['sample_id']}"
 
     def _advantages(self, c: dict, seq_idx, valid, run_seq, starts):
         """(advantage, |advantage| on valid tokens): the token's, else the sequence's, else 1 (unweighted); adds
@@ -270,6 +295,9 @@ class _Pass:
             np.maximum.at(self.mom[p]["max"], self.seq_step[run_seq], np.maximum.reduceat(ad, starts))
             self._add_bins(self.pbin[p], pb[valid], dv, ("n", "sum", "abs", "sum2"), len(P_EDGES) - 1)
             self._add_bins(self.lag[p], lag_b[valid], dv, ("n", "abs", "sum"), MAX_LAG + 3)
+            if p == "mismatch":
+                self.dash.add(d, c["old_logp"].astype(np.float64), c["sampler_logp"].astype(np.float64), valid,
+                              vstep, s_lo, s_hi - s_lo + 1, run_seq, starts, _add_at)
         return deltas
 
     def _add_step_moments(self, p: str, dv, vstep, s_lo: int, s_hi: int) -> None:
@@ -329,15 +357,18 @@ class _Pass:
                            f"{r['step']}, sample_id {r['sample_id']}) are not 0..{int(n_len[i]) - 1}, each once")
         total_bad = sum(self.bad.values())
         if total_bad and self.nan == "error":
-            row, col, si, pos = self.first_bad
-            r = self.seq.iloc[si]
+            row, col, si, pos, what = self.first_bad
             counts = ", ".join(f"{k} {v}" for k, v in self.bad.items() if v)
             n_seq = int((self.n_bad_seq > 0).sum())
-            where = (f"{r['origin']}: token {pos} of step {r['step']}" if _has_origin(r)
-                     else f"{self.log.tokens_file}: row {row}: step {r['step']}, sample_id {r['sample_id']}")
-            raise LabError(f"{where}: {col} is missing or NaN on a loss-masked token; {total_bad} such tokens in "
-                           f"{n_seq} sequences ({counts}); fix the log or pass --nan drop to exclude them (counted in "
-                           f"the report)")
+            raise LabError(f"{self._where(row, si, pos)}: {col} is {what} on a loss-masked token; {total_bad} "
+                           f"such tokens in {n_seq} sequences ({counts}); fix the log or pass "
+                           f"--nan drop to exclude them (counted in the report)")
+        if not self.n_valid.sum():
+            what = (f"{len(self.seq)} sequences, none with a loss-masked token" if len(self.seq)
+                    else "no sequences")
+            dropped = f" ({total_bad} dropped by --nan drop)" if total_bad else ""
+            raise LabError(f"{self.log.path}: nothing to diagnose: {what}{dropped}; the log needs loss-masked tokens "
+                           f"with log-probs")
 
 
 def _has_origin(row) -> bool:

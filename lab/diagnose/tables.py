@@ -14,7 +14,7 @@ import pandas as pd
 import torch
 
 from lab import diagnostics as wd
-from lab.diagnose import histogram as H
+from lab.diagnose import dashboards, histogram as H
 from lab.diagnose.corrections import sequence_weight
 from lab.diagnose.streaming import KHAT_WARN, LOW_P, MAX_LAG, P_EDGES, PAIR_TEXT, QS, Diagnostics
 from lab.diagnose.fits import median_interval, ols, ratio_intervals
@@ -100,6 +100,7 @@ def build(st, seed: int = 0) -> Diagnostics:
     tables["staleness"], summary["staleness"] = _staleness_table(st, usable)
     tables["corrections"], summary["corrections"] = _corrections_table(st, seq_corr, ci)
     tables["histograms"] = _histogram_table(st)
+    tables["dashboards"] = dashboards.table(st)
     summary.update(_run_summary(st))
     summary["verdict"] = verdict(summary)
     summary["headline"] = summary["verdict"][0] if summary["verdict"] else ""

@@ -1,5 +1,9 @@
-"""Shared pieces of the framework adapters: a buffer of sequences flushed into a NeutralLogWriter in chunks."""
+"""Shared pieces of the framework adapters: bounded JSON lines, checked arrays and fields, and a buffer of sequences
+flushed into a NeutralLogWriter in chunks."""
 from __future__ import annotations
+
+import json
+import math
 
 import numpy as np
 
@@ -17,7 +21,78 @@ def _entries(values, where: str, name: str, ok, expected: str) -> None:
 
 
 def _number(v) -> bool:
-    return v is None or isinstance(v, (int, float, np.number))
+    if v is None or isinstance(v, (float, np.floating)):
+        return True
+    return isinstance(v, (int, np.integer)) and not isinstance(v, bool) and -2**63 <= v < 2**63
+
+
+class OutOfRange(str):
+    """A JSON number too large for a float64 or an int64, kept as its text so the field check names it."""
+
+    def __repr__(self):
+        return f"{str(self)[:24]}{'...' if len(self) > 24 else ''} (out of range)"
+
+
+MAX_JSON_DEPTH = 64
+
+
+def _parse_int(s: str):
+    if len(s) > 20:  # beyond any int64; Python would also refuse more than 4300 digits
+        return OutOfRange(s)
+    v = int(s)
+    return v if -2**63 <= v < 2**63 else OutOfRange(s)
+
+
+def _parse_float(s: str):
+    v = float(s)
+    return v if math.isfinite(v) else OutOfRange(s)
+
+
+def _depth(text: str) -> int:
+    """Deepest nesting of [ and { (string contents are counted too: an upper bound, exact for number arrays)."""
+    depth = best = 0
+    for ch in text:
+        if ch in "[{":
+            depth += 1
+            best = max(best, depth)
+        elif ch in "]}":
+            depth -= 1
+    return best
+
+
+def json_line(raw: bytes, where: str):
+    """One JSON value from one line of a JSONL file, bounded: UTF-8, at most MAX_JSON_DEPTH levels of nesting,
+    numbers that fit a float64 / int64 (larger ones come back as OutOfRange text, which the field checks refuse
+    by name); NaN and Infinity literals are refused. One LabError naming ``where`` for anything else."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise LabError(f"{where}: not valid UTF-8 (byte {e.start}); a JSONL export is UTF-8 text") from None
+    if text.count("[") + text.count("{") > MAX_JSON_DEPTH and _depth(text) > MAX_JSON_DEPTH:
+        raise LabError(f"{where}: JSON nested deeper than {MAX_JSON_DEPTH} levels; not a training-data record")
+
+    def constant(name):
+        raise LabError(f"{where}: {name} is not JSON (the writer emits null for non-finite numbers)")
+    try:
+        return json.loads(text, parse_int=_parse_int, parse_float=_parse_float, parse_constant=constant)
+    except json.JSONDecodeError as e:
+        raise LabError(f"{where}: not valid JSON ({e.msg} at column {e.colno}; a truncated line?)") from None
+    except RecursionError:
+        raise LabError(f"{where}: JSON nested too deeply to read; not a training-data record") from None
+
+
+def int_field(rec: dict, key: str, where: str, *, required: bool = False, minimum: int | None = 0):
+    """An integer scalar field (None when absent and not required); LabError naming the field otherwise."""
+    v = rec.get(key)
+    if v is None:
+        if required:
+            raise LabError(f"{where}: field {key!r} is missing; expected an integer")
+        return None
+    if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or not -2**62 < int(v) < 2**62 \
+            or (minimum is not None and int(v) < minimum):
+        want = "an integer" if minimum is None else f"an integer >= {minimum}"
+        raise LabError(f"{where}: field {key!r} is {v!r:.40}; expected {want} below 2^62")
+    return int(v)
 
 
 def float_array(values, where: str, name: str) -> np.ndarray:
@@ -45,8 +120,8 @@ def int_array(values, where: str, name: str) -> np.ndarray:
         values = values.tolist()
     if not isinstance(values, (list, tuple)):
         raise LabError(f"{where}: {name!r} must be a list of integers, got {type(values).__name__}")
-    _entries(values, where, name, lambda v: isinstance(v, (int, np.integer)) and -2**63 <= v < 2**63,
-             "an integer")
+    _entries(values, where, name, lambda v: isinstance(v, (int, np.integer)) and not isinstance(v, bool)
+             and -2**63 <= v < 2**63, "an integer")
     return np.array(values, dtype=np.int64)
 
 
