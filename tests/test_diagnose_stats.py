@@ -92,8 +92,9 @@ def test_lab_metrics_from_a_log_equal_the_trainers(tmp_path, dtype):
             lp_pi = torch.log_softmax(logits + step * 0.4 * torch.randn(B, T, 6, generator=g, dtype=dtype), -1
                                       ).gather(-1, tokens[..., None])[..., 0] * mask
             logged.append(weight_metrics(lp_pi, lp_mu, lp_old, mask))
-            log.add(step, torch.arange(B) + 100 * step, tokens, mask, lp_mu, lp_old, lp_pi, torch.full((B,), step - 1),
-                    torch.randn(B, generator=g), torch.zeros(B), torch.arange(B) // 8, trainer_version=step)
+            log.add(step, torch.arange(B) + 100 * step, tokens, mask, sampler_logp=lp_mu, old_logp=lp_old,
+                    current_logp=lp_pi, version=torch.full((B,), step - 1), advantages=torch.randn(B, generator=g),
+                    rewards=torch.zeros(B), group_ids=torch.arange(B) // 8, trainer_version=step)
     got = lab_weight_metrics(path)
     for step, want in enumerate(logged, 1):
         row = got[got["step"] == step].iloc[0]

@@ -201,9 +201,11 @@ class RolloutLogWriter:
     """Write a training run's mini-batches as a neutral rollout log.
 
         with RolloutLogWriter("runs/x/rollout_log", meta) as log:       # meta: schema.make_meta(...) or None
-            log.add(step, sample_ids, tokens, mask, sampler_logp, old_logp, current_logp, version,
-                    advantages, rewards, group_ids, entropy=None, trainer_version=None)
+            log.add(step, sample_ids, tokens, mask, sampler_logp=mu, old_logp=old, current_logp=None,
+                    version=None, advantages=adv, rewards=None, group_ids=None, entropy=None, trainer_version=None)
 
+    ``step``, ``sample_ids``, ``tokens`` and ``mask`` are positional; everything else is a keyword and may be left
+    out (None: the log does not have it).
     Shapes: ``tokens``, ``mask``, the log-probs, ``entropy`` [B, T]; ``sample_ids``, ``rewards``, ``group_ids`` [B];
     ``advantages`` and ``version`` [B] or [B, T]; ``trainer_version`` an int or [B]. A log-prob argument is None
     exactly when the metadata declares it absent. Each row keeps its positions up to its last loss-masked token
@@ -229,8 +231,9 @@ class RolloutLogWriter:
             self._writer = NeutralLogWriter(self.path, self.meta, row_group_rows=self.row_group_rows)
         return self._writer
 
-    def add(self, step, sample_ids, tokens, mask, sampler_logp, old_logp, current_logp, version, advantages,
-            rewards, group_ids, entropy=None, trainer_version=None) -> None:
+    def add(self, step, sample_ids, tokens, mask, *, sampler_logp=None, old_logp=None, current_logp=None,
+            version=None, advantages=None, rewards=None, group_ids=None, entropy=None,
+            trainer_version=None) -> None:
         mask = _np(mask, "mask")
         if mask is None or mask.ndim != 2:
             raise LabError(f"mask must be a [B, T] tensor, got shape {None if mask is None else mask.shape}")

@@ -54,8 +54,8 @@ def torch_load(path: Path, trust: bool = False):
             raise LabError(f"{path}: not a readable torch.save file, truncated or corrupt? ({_why(e)})") from None
         try:
             names = torch.serialization.get_unsafe_globals_in_checkpoint(str(path))
-        except Exception:  # noqa: BLE001 - only for the message
-            names = []
+        except Exception:  # noqa: BLE001 - it cannot even list the file's classes: not a torch.save file
+            raise LabError(f"{path}: not a readable torch.save file, truncated or corrupt? ({_why(e)})") from None
         allowed = {f"{g.__module__}.{g.__qualname__}" for g in _numpy_globals()}
         names = [n for n in names if n not in allowed]
         what = f"objects of class {', '.join(names[:3])}" if names else "objects beyond tensors, numpy and builtins"

@@ -83,9 +83,11 @@ def simulate(path, *, steps: int = 12, batch: int = 64, group_size: int = 8, voc
             reward = (rng.random(B) < 1 / (1 + np.exp(-(4 * frac_low - 2)))).astype(np.float32)
             r = reward.reshape(-1, G)
             adv = ((r - r.mean(1, keepdims=True)) / (r.std(1, ddof=1, keepdims=True) + 1e-6)).reshape(B)
-            log.add(step + 1, np.arange(B), tokens, mask, lp_s * mask, (lp_old * mask).astype(np.float32),
-                    None if lp_cur is None else (lp_cur * mask).astype(np.float32), gen, adv, reward,
-                    np.arange(B // G).repeat(G) + step * (B // G), entropy=entropy * mask, trainer_version=tv)
+            log.add(step + 1, np.arange(B), tokens, mask, sampler_logp=lp_s * mask,
+                    old_logp=(lp_old * mask).astype(np.float32),
+                    current_logp=None if lp_cur is None else (lp_cur * mask).astype(np.float32), version=gen,
+                    advantages=adv, rewards=reward, group_ids=np.arange(B // G).repeat(G) + step * (B // G),
+                    entropy=entropy * mask, trainer_version=tv)
             for v in [k for k in tables if k < tv - lag_max]:
                 del tables[v]
     return path

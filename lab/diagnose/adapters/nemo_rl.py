@@ -85,9 +85,9 @@ def _add_record(buf: SequenceBuffer, step: int, where: str, line: bytes, seen: d
         raise LabError(f"{where}: 'sample_loss_mask' is {sample_ok!r:.40}; expected 0 or 1")
     token_mask = mask_array(rec["token_loss_mask"], where, "token_loss_mask")[:length]
     idx = int_field(rec, "idx", where, required=True)
-    if idx in seen:
-        raise LabError(f"{where}: idx {idx} appears twice in step {step} (also {seen[idx]})")
-    seen[idx] = where
+    if (step, idx) in seen:
+        raise LabError(f"{where}: idx {idx} appears twice in step {step} (also {seen[step, idx]})")
+    seen[step, idx] = where
     nz = np.flatnonzero(token_mask)
     first = int(nz[0]) if nz.size else length
     sl = slice(first, length)

@@ -192,8 +192,8 @@ def _run_step(rec: dict, where: str, dir_step) -> tuple[str, int]:
     if not isinstance(run, (str, int)) or isinstance(run, bool):
         raise LabError(f"{where}: 'run_id' is {run!r:.40}; expected a string or null")
     run = str(run)
-    key = "export_step" if rec.get("export_step") is not None else "step"
-    step = int_field(rec, key, where)
+    step, export_step = int_field(rec, "step", where), int_field(rec, "export_step", where)
+    step = export_step if export_step is not None else step
     if step is None and dir_step:
         step = int(dir_step.group(1))
     if step is None:

@@ -31,7 +31,7 @@ before its loop and again after each rollout's training (``--update-weights-inte
 pushes from 0 in each process, so a fresh run's rollout k is generated with version k + 1 and a run resumed at
 rollout s (``--start-rollout-id`` or a checkpoint) restarts at version 1. The trainer consuming rollout k of a
 segment that began at rollout s with weight version v_s is at version ``k - s + v_s``: lag 0 for train.py, lag 1
-for train_async.py after its first two rollouts. A segment begins at the first rollout of the dump and wherever
+for train_async.py after its first rollout. A segment begins at the first rollout of the dump and wherever
 the versions drop. When a dump begins mid-run, the first rollout's lag is taken as 0 (noted in the log).
 """
 from __future__ import annotations
