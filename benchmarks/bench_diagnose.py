@@ -18,6 +18,11 @@ same file, so that its peak memory is its own:
   token statistics, sequence weights (ESS, chi2, k-hat, dominant share), quantiles, probability bins, staleness and
   the correction shares: a subset of what the streaming pass computes.
 
+The floor: the command as a whole process (``python -m lab.diagnose LOG``) against a whole process that only reads
+the token columns the diagnostics need with pyarrow (``FLOOR``), in the same run; for framework dumps
+(``--dumps``: a prime-rl JSONL export and a slime pickle dump of the same random tokens), ``lab diagnose --from``
+against a process that only parses the same files (json.loads of every line; torch.load of every file).
+
 Peak memory is the process's peak resident set size (VmHWM) after imports, reset just before the call (Linux
 /proc/self/clear_refs), so imports are excluded; "peak" is that peak minus the resident size before the call.
 The two results are compared (per-step ESS, k-hat, mean |delta|, correction shares) and must agree to 1e-9
@@ -79,6 +84,87 @@ print(json.dumps(out))
 """
 
 
+FLOOR = r"""
+import sys, pyarrow.parquet as pq
+cols = ["run", "step", "sample_id", "position", "loss_mask", "advantage", "version", "sampler_logp", "old_logp",
+        "current_logp"]
+for g in range(pq.ParquetFile(sys.argv[1] + "/tokens.parquet").metadata.num_row_groups):
+    pf = pq.ParquetFile(sys.argv[1] + "/tokens.parquet")
+    for b in pf.iter_batches(batch_size=1 << 18, row_groups=[g], columns=cols, use_threads=False):
+        [c.to_numpy(zero_copy_only=False) for c in b.columns[1:]]
+"""
+PARSE = {"prime-rl": r"""
+import json, pathlib, sys
+for f in sorted(pathlib.Path(sys.argv[1]).rglob("*.jsonl")):
+    for line in open(f, "rb"):
+        json.loads(line)
+""", "slime": r"""
+import pathlib, sys, torch
+for f in sorted(pathlib.Path(sys.argv[1]).rglob("*.pt")):
+    torch.load(f, weights_only=True)
+"""}
+
+
+def wall(argv: list) -> float:
+    """Seconds of a whole process (start-up and imports included), the fastest of three runs."""
+    best = float("inf")
+    for _ in range(3):
+        t0 = time.perf_counter()
+        proc = subprocess.run(argv, capture_output=True, text=True, cwd=ROOT)
+        if proc.returncode != 0:
+            raise SystemExit(f"{argv[:4]} failed:\n{proc.stderr[-2000:]}")
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def floor_ratios(path: Path) -> dict:
+    cmd = wall([sys.executable, "-m", "lab.diagnose", str(path)])
+    floor = wall([sys.executable, "-c", FLOOR, str(path)])
+    return {"command_s": cmd, "floor_s": floor, "ratio": cmd / floor}
+
+
+def write_dumps(folder: Path, n_tokens: int, seed: int = 0) -> dict:
+    """The same random responses as a prime-rl token export (JSONL) and a slime --dump-details folder (pickles)."""
+    import numpy as np
+    import torch
+
+    rng = np.random.default_rng(seed)
+    out = {"prime-rl": folder / "prime", "slime": folder / "slime"}
+    (out["slime"] / "train_data").mkdir(parents=True)
+    written, step = 0, 0
+    while written < n_tokens:
+        step += 1
+        lens = rng.integers(64, 1025, 64)
+        d = out["prime-rl"] / "token_exports" / f"step_{step}"
+        d.mkdir(parents=True)
+        samples = []
+        with open(d / "rank_0.jsonl", "w") as f:
+            for i, n in enumerate(lens):
+                s = (-rng.exponential(1.0, n)).astype(np.float32)
+                o = np.minimum(s + rng.normal(0, 0.05, n), 0).astype(np.float32)
+                toks = rng.integers(0, 150_000, n)
+                f.write(json.dumps({"schema_version": 1, "step": step, "rank": 0, "token_ids": toks.tolist(),
+                                    "loss_mask": [True] * int(n), "advantages": [0.5] * int(n),
+                                    "inference_logprobs": s.astype(float).tolist(),
+                                    "trainer_logprobs": o.astype(float).tolist()}, separators=(",", ":")) + "\n")
+                samples.append({"tokens": torch.tensor(toks), "response_lengths": int(n), "total_lengths": int(n),
+                                "loss_masks": torch.ones(n, dtype=torch.int), "rollout_log_probs": torch.tensor(s),
+                                "log_probs": torch.tensor(o), "rollout_position": i})
+        torch.save({"format_version": 2, "rollout_id": step, "rank": 0, "samples": samples},
+                   out["slime"] / "train_data" / f"{step}.pt")
+        written += int(lens.sum())
+    return out
+
+
+def dump_ratios(folder: Path, n_tokens: int) -> dict:
+    res = {}
+    for fmt, path in write_dumps(folder, n_tokens).items():
+        cmd = wall([sys.executable, "-m", "lab.diagnose", "--from", fmt, str(path)])
+        floor = wall([sys.executable, "-c", PARSE[fmt], str(path)])
+        res[fmt] = {"command_s": cmd, "floor_s": floor, "ratio": cmd / floor}
+    return res
+
+
 def run_child(which: str, path: Path, threads: int, chunk: int) -> dict:
     proc = subprocess.run([sys.executable, "-c", CHILD, which, str(path), str(threads), str(chunk)],
                           capture_output=True, text=True, cwd=ROOT)
@@ -119,6 +205,9 @@ def main() -> int:
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--keep", type=Path, default=None, help="keep (or reuse) the synthetic log at this path")
     ap.add_argument("--streaming-only", action="store_true", help="skip the pandas baseline (logs too large for it)")
+    ap.add_argument("--floor", action="store_true", help="also time the whole command against a bare pyarrow read")
+    ap.add_argument("--dumps", type=float, default=0, help="also time JSONL and pickle dumps of this many tokens "
+                                                            "against a bare parse of the same files")
     args = ap.parse_args()
     n = int(3e5 if args.quick else args.tokens)
     from lab.diagnose.synthetic import random_log
@@ -137,6 +226,15 @@ def main() -> int:
     print(f"python {platform.python_version()}, {os.cpu_count()} cores, load {os.getloadavg()[0]:.2f}, "
           f"threads {args.threads or 'default'}, chunk {args.chunk_rows:,} rows, {rows:,} token rows, "
           f"{n_seq:,} sequences ({rows / max(n_seq, 1):.0f} tokens each)")
+    extra = {}
+    if args.floor:
+        extra["floor"] = floor_ratios(path)
+        print(f"whole process: lab diagnose {extra['floor']['command_s']:.2f} s, bare pyarrow read of the token "
+              f"columns {extra['floor']['floor_s']:.2f} s: {extra['floor']['ratio']:.2f}x the floor")
+    if args.dumps:
+        extra["dumps"] = dump_ratios(Path(tmp.name), int(args.dumps))
+        for fmt, r in extra["dumps"].items():
+            print(f"--from {fmt}: {r['command_s']:.2f} s, bare parse {r['floor_s']:.2f} s: {r['ratio']:.2f}x")
     which = ("streaming",) if args.streaming_only else ("streaming", "pandas")
     res = {w: run_child(w, path, args.threads, args.chunk_rows) for w in which}
     print(f"\n{'':<11}{'seconds':>9}{'tokens/s':>13}{'peak MiB':>10}{'(RSS before)':>14}")
@@ -158,7 +256,7 @@ def main() -> int:
         results = {k: {kk: vv for kk, vv in v.items() if kk not in ("per_step", "corrections", "quantiles")}
                    for k, v in res.items()}
         args.json.write_text(json.dumps({"tokens": rows, "sequences": n_seq, "mean_len": args.mean_len,
-                                         "results": results, "agreement": errs, "ok": ok}, indent=2))
+                                         "results": results, "agreement": errs, "ok": ok, **extra}, indent=2))
     tmp.cleanup()
     if not ok:
         print("FAIL: the two implementations disagree")

@@ -379,12 +379,16 @@ class RolloutLog:
         return df
 
     def _batches(self, columns, chunk_rows: int):
-        """Record batches of at most ``chunk_rows`` rows, one parquet row group in memory at a time (pyarrow's
-        iter_batches keeps allocations alive until the file is closed, so its memory would grow with the log)."""
+        """Record batches of at most ``chunk_rows`` rows, decoded page by page inside one row group at a time, so
+        that memory stays flat whatever row-group size the writer chose (read_row_group would hold a whole group;
+        one pyarrow reader over the whole file keeps allocations alive until it is closed, so a fresh one is opened
+        for each row group)."""
         for g in range(self._tok.metadata.num_row_groups):
-            table = self._tok.read_row_group(g, columns=columns)
-            yield from table.to_batches(max_chunksize=chunk_rows)
-            del table
+            pf = self._open(self.tokens_file)
+            try:
+                yield from pf.iter_batches(batch_size=chunk_rows, row_groups=[g], columns=columns, use_threads=False)
+            finally:
+                pf.close()
 
     def iter_tokens(self, columns, chunk_rows: int = 1 << 20) -> Iterator[tuple[int, dict]]:
         """Yield (first row number, {column: numpy array}) chunks; ``run`` comes as a list of strings per chunk
