@@ -86,7 +86,7 @@ def test_write_errors_leave_nothing(tmp_path, capsys, monkeypatch, error):
 
 
 @pytest.mark.parametrize("edit,message", [
-    (lambda r: r.__setitem__("step", 2 ** 70), "field 'step' is 1180591620717411303424"),
+    (lambda r: r.__setitem__("step", 2 ** 70), "field 'step' is 1.1805916207174113e+21; expected an integer"),
     (lambda r: r["trainer_logprobs"].__setitem__(6, "1" * 400), "'trainer_logprobs' entry 6 is 1111"),
     (lambda r: r.__setitem__("extra", json.loads("[" * 40 + "]" * 40)), None),
 ], ids=["huge-step", "huge-logprob", "nested-ok"])
@@ -131,3 +131,37 @@ def test_corrupt_pickle_with_trust_is_one_line(tmp_path, capsys):
     for flags in ([], ["--trust-pickle"]):
         err = one_line(capsys, main(["--from", "skyrl", str(tmp_path / "sky"), *flags]))
         assert "not a readable SkyRL pickle" in err
+
+
+@pytest.mark.parametrize("text", [
+    "-9223372036854775808", "-9223372036854775809", "9223372036854775807", "18446744073709551615",
+    "18446744073709551616", "1" * 30, "-" + "9" * 300, "1e308", "-2.5e-320", "[0.1, null, 3, -0.0]",
+    '{"a": [1, 2.5, {"b": [true, false, "x"]}]}', "[" * 30 + "]" * 30,
+])
+def test_json_lines_read_alike_by_both_parsers(text):
+    """orjson (the fast path) and the standard library parser with its number bounds (the path that names what is
+    wrong) give the same value for every number up to and across the 64-bit and float64 limits."""
+    from lab.diagnose.adapters.common import _json_line_checked, json_line
+
+    fast, careful = json_line(text.encode(), "x"), _json_line_checked(text.encode(), "x")
+    assert fast == careful and type(fast) is type(careful)
+    assert json.dumps(fast) == json.dumps(careful)
+
+
+@pytest.mark.parametrize("text,refusal", [
+    ("1" * 400, "out of range"), ("[1e999]", "out of range"), ("[" * 65 + "]" * 65, "JSON nested deeper than 64"),
+    ("NaN", "NaN is not JSON"), ('{"a": Infinity}', "Infinity is not JSON"),
+])
+def test_json_lines_beyond_the_bounds_are_refused_by_both_parsers(text, refusal):
+    """Beyond the bounds both paths refuse alike: a number too large for a float64 comes back as OutOfRange text
+    (the field checks name it), deeper nesting and non-finite literals are one error."""
+    from lab.diagnose.adapters.common import OutOfRange, _json_line_checked, json_line
+    from lab.errors import LabError
+
+    for parse in (json_line, _json_line_checked):
+        if refusal == "out of range":
+            value = parse(text.encode(), "x")
+            assert isinstance(value if isinstance(value, str) else value[0], OutOfRange), parse
+        else:
+            with pytest.raises(LabError, match=f"^x: {refusal}"):
+                parse(text.encode(), "x")

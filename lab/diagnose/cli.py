@@ -36,6 +36,7 @@ def _from_help() -> str:
 
 def add_parser(subparsers):
     from lab.diagnose.adapters import FORMATS
+    from lab.diagnose.streaming import CHUNK_ROWS
 
     p = subparsers.add_parser(
         "diagnose", help="importance-weight diagnostics of a training run's rollout logs",
@@ -59,7 +60,7 @@ def add_parser(subparsers):
     p.add_argument("--temperature", type=float, default=None, help="the sampler's temperature, if the log lacks it")
     p.add_argument("--top-p", type=float, default=None, help="the sampler's top-p, if the log lacks it")
     p.add_argument("--top-k", type=int, default=None, help="the sampler's top-k, if the log lacks it")
-    p.add_argument("--chunk-rows", type=int, default=1 << 18, help="token rows per streamed chunk")
+    p.add_argument("--chunk-rows", type=int, default=CHUNK_ROWS, help="token rows per streamed chunk")
     p.add_argument("--seed", type=seed_arg, default=0, help="seed of the bootstrap intervals")
     p.set_defaults(func=run)
     return p

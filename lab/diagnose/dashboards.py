@@ -20,7 +20,9 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-SAFETY_BOUND = 20.0  # verl
+from lab.diagnose.corrections import LOG_W_BOUND
+
+SAFETY_BOUND = LOG_W_BOUND  # verl's clamp of log-ratios, 20: the corrections' own
 VERL_TIS = 2.0       # verl rollout_is_threshold default
 TRL_CLIP_MAX = 3.0   # TRL vllm_importance_sampling_clip_max default
 SLIME_TIS = 2.0      # slime --tis-clip default
@@ -56,7 +58,7 @@ METRICS = {
     "tis_clipfrac": ("slime", "mean_i of the per-sample share of tokens with e^d_t outside [0, 2]"),
 }
 
-_TOKEN = ("n", "sum_d", "k3", "rho2", "abs", "w", "w2", "hi", "lo")
+_TOKEN = ("rho2", "w", "w2", "hi", "lo")  # beyond the mismatch pair's own per-step moments (n, sum, k3, abs, max)
 _SEQ = ("exp", "exp_abs", "clip", "old", "samp")
 
 
@@ -65,29 +67,28 @@ class Accumulator:
 
     def __init__(self, n_seq: int, n_steps: int):
         self.tok = {k: np.zeros(n_steps) for k in _TOKEN}
-        self.max_abs = np.full(n_steps, -np.inf)
         self.seq = {k: np.zeros(n_seq) for k in _SEQ}
 
-    def add(self, d, old, samp, valid, vstep, s_lo: int, width: int, run_seq, starts, add_at) -> None:
-        """``d``: the chunk's delta (0 off valid tokens); ``vstep``: step index - s_lo of each valid token."""
-        dv = d[valid]
+    def add(self, d, raw, old, samp, k) -> None:
+        """``d``: the chunk's delta (0 on rows that are not valid tokens); ``raw`` = e^clamp(d, +-20); ``k``: the
+        chunk's runs (lab.diagnose.streaming._Chunk: per-run sums ``red``, per-sequence ``add``, ``per_step``)."""
+        valid = None if k.invalid is None else k.valid.astype(np.float64)
+        keep = (lambda x: x) if valid is None else (lambda x: x * valid)  # noqa: E731
         with np.errstate(over="ignore", invalid="ignore"):
-            raw = np.exp(np.clip(dv, -SAFETY_BOUND, SAFETY_BOUND))
             w = np.minimum(raw, VERL_TIS)
-            values = {"n": None, "sum_d": dv, "k3": np.expm1(dv) - dv, "rho2": raw * raw, "abs": np.abs(dv), "w": w,
-                      "w2": w * w, "hi": (raw > VERL_TIS).astype(np.float64),
-                      "lo": (raw < 1.0 / VERL_TIS).astype(np.float64)}
-            sl = slice(s_lo, s_lo + width)
-            for k, v in values.items():
-                self.tok[k][sl] += np.bincount(vstep, weights=v, minlength=width)
-            if dv.size:
-                np.maximum.at(self.max_abs, vstep + s_lo, np.abs(dv))
-            e = np.where(valid, np.exp(d), 0.0)
-            per_token = {"exp": e, "exp_abs": np.where(valid, np.abs(e - 1.0), 0.0),
-                         "clip": (valid & (e > SLIME_TIS)).astype(np.float64),
-                         "old": np.where(valid, old, 0.0), "samp": np.where(valid, samp, 0.0)}
-        for k, v in per_token.items():
-            add_at(self.seq[k], run_seq, np.add.reduceat(v, starts))
+            e = raw if float(np.abs(d).max()) <= SAFETY_BOUND else np.exp(d)  # slime does not clamp
+            token = {"rho2": keep(raw * raw), "w": keep(w), "w2": keep(w * w), "hi": keep(raw > VERL_TIS),
+                     "lo": keep(raw < 1.0 / VERL_TIS)}
+            per_seq = {"exp": keep(e), "exp_abs": np.abs(e - 1.0), "clip": keep(e > SLIME_TIS)}
+        for key, v in token.items():
+            k.per_step(self.tok[key], k.red(v))
+        for key, v in per_seq.items():
+            k.add(self.seq[key], k.red(v))
+        for key, x in (("old", old), ("samp", samp)):
+            x = x.astype(np.float64)
+            if valid is not None:
+                x[k.invalid] = 0.0
+            k.add(self.seq[key], k.red(x))
 
 
 def table(st) -> pd.DataFrame:
@@ -97,13 +98,17 @@ def table(st) -> pd.DataFrame:
     cols = ["run", "step", "framework", "metric", "value", "definition"]
     if acc is None:
         return pd.DataFrame(columns=cols)
-    t, s = acc.tok, acc.seq
+    m = st.mom["mismatch"]
+    t = {"n": m["n"], "sum_d": m["sum"], "k3": m["k3"], "abs": m["abs"], **acc.tok}
+    s = acc.seq
     n_seq = st.n_valid
     L = st.L["mismatch"]
+    order = np.argsort(st.seq_step, kind="stable")
+    bounds = np.searchsorted(st.seq_step[order], np.arange(st.S + 1))
     rows = []
     for g, (run, step) in enumerate(zip(st.step_groups["run"], st.step_groups["step"])):
-        members = np.flatnonzero(st.seq_step == g)
-        vals = _step_values({k: v[g] for k, v in t.items()}, acc.max_abs[g], L[members], n_seq[members],
+        members = order[bounds[g]:bounds[g + 1]]
+        vals = _step_values({k: v[g] for k, v in t.items()}, m["max"][g], L[members], n_seq[members],
                             st.S_abs["mismatch"][members], {k: v[members] for k, v in s.items()})
         for metric, (fw, definition) in METRICS.items():
             rows.append((run, int(step), fw, metric, vals[metric], definition))

@@ -13,8 +13,10 @@ stream a log of any size in bounded memory.
 from __future__ import annotations
 
 import json
+import queue
 import shutil
 import tempfile
+import threading
 from pathlib import Path
 from typing import Iterator
 
@@ -29,6 +31,7 @@ from lab.errors import LabError
 from lab.runs import replace_dir
 
 ROW_GROUP_ROWS = 1 << 20
+READ_BUFFER = 1 << 20  # bytes read at a time from a column chunk
 
 
 def _is_log_folder(path: Path) -> bool:
@@ -347,9 +350,9 @@ class RolloutLog:
         self._seq = None
 
     @staticmethod
-    def _open(file: Path) -> pq.ParquetFile:
+    def _open(file: Path, buffer_size: int = 0) -> pq.ParquetFile:
         try:
-            return pq.ParquetFile(file, read_dictionary=["run"])
+            return pq.ParquetFile(file, read_dictionary=["run"], buffer_size=buffer_size, pre_buffer=False)
         except (pa.ArrowInvalid, OSError) as e:
             raise LabError(f"{file}: not a readable parquet file ({str(e).splitlines()[0]})") from None
 
@@ -379,44 +382,98 @@ class RolloutLog:
         return df
 
     def _batches(self, columns, chunk_rows: int):
-        """Record batches of at most ``chunk_rows`` rows, decoded page by page inside one row group at a time, so
-        that memory stays flat whatever row-group size the writer chose (read_row_group would hold a whole group;
-        one pyarrow reader over the whole file keeps allocations alive until it is closed, so a fresh one is opened
-        for each row group)."""
+        """Record batches of at most ``chunk_rows`` rows, decoded page by page from a stream read in READ_BUFFER
+        pieces, one row group at a time, so that memory stays flat whatever row-group size the writer chose (without
+        a read buffer pyarrow reads a whole column chunk at once; one reader over the whole file keeps its
+        allocations alive until it is closed, so a fresh one is opened for each row group)."""
         for g in range(self._tok.metadata.num_row_groups):
-            pf = self._open(self.tokens_file)
+            pf = self._open(self.tokens_file, READ_BUFFER)
             try:
                 yield from pf.iter_batches(batch_size=chunk_rows, row_groups=[g], columns=columns, use_threads=False)
             finally:
                 pf.close()
 
-    def iter_tokens(self, columns, chunk_rows: int = 1 << 20) -> Iterator[tuple[int, dict]]:
-        """Yield (first row number, {column: numpy array}) chunks; ``run`` comes as a list of strings per chunk
-        (``run_values``) plus integer codes (``run``). Required columns are checked for nulls."""
-        columns = list(dict.fromkeys(columns))
+    def iter_tokens(self, columns, chunk_rows: int = 1 << 20, prefetch: int = 0) -> Iterator[tuple[int, dict]]:
+        """Yield (first row number, {column: numpy array}) chunks; ``run`` comes as integer codes (``run``) into the
+        chunk's list of run names (``run_values``); an optional column that is null on every row of the chunk comes
+        as None, a log-prob column as NaN. Required columns are checked for nulls. ``prefetch`` > 0 reads and
+        decodes up to that many chunks ahead in a background thread (pyarrow decodes without holding the GIL, so
+        reading overlaps the caller's work on the previous chunk)."""
+        chunks = self._chunks(list(dict.fromkeys(columns)), int(chunk_rows))
+        return _prefetched(chunks, prefetch) if prefetch > 0 else chunks
+
+    def _chunks(self, columns: list, chunk_rows: int) -> Iterator[tuple[int, dict]]:
         offset = 0
         try:
-            for batch in self._batches(columns, int(chunk_rows)):
-                out = {}
-                for name in columns:
-                    col = batch.column(name)
-                    if TOKEN_COLUMNS[name][1] and col.null_count:
-                        row = offset + int(np.flatnonzero(col.is_null().to_numpy(zero_copy_only=False))[0])
-                        raise LabError(f"{self.tokens_file}: row {row}: column {name!r} is null; it is required")
-                    if name == "run":
-                        if pa.types.is_dictionary(col.type):
-                            out["run"] = col.indices.to_numpy(zero_copy_only=False).astype(np.int64)
-                            out["run_values"] = [str(v) for v in col.dictionary.to_pylist()]
-                        else:
-                            values, codes = np.unique(col.to_numpy(zero_copy_only=False).astype(str), return_inverse=True)
-                            out["run"], out["run_values"] = codes.astype(np.int64), [str(v) for v in values]
-                    else:
-                        out[name] = col.to_numpy(zero_copy_only=False)
-                yield offset, out
+            for batch in self._batches(columns, chunk_rows):
+                yield offset, self._numpy(batch, columns, offset)
                 offset += batch.num_rows
         except (pa.ArrowInvalid, OSError) as e:
             raise LabError(f"{self.tokens_file}: cannot read row group near row {offset} "
                            f"({str(e).splitlines()[0]})") from None
+
+    def _numpy(self, batch: pa.RecordBatch, columns: list, offset: int) -> dict:
+        out = {}
+        n = batch.num_rows
+        for name in columns:
+            col = batch.column(name)
+            if TOKEN_COLUMNS[name][1] and col.null_count:
+                row = offset + int(np.flatnonzero(col.is_null().to_numpy(zero_copy_only=False))[0])
+                raise LabError(f"{self.tokens_file}: row {row}: column {name!r} is null; it is required")
+            if name == "run":
+                if pa.types.is_dictionary(col.type):
+                    out["run"] = col.indices.to_numpy(zero_copy_only=False)
+                    out["run_values"] = [str(v) for v in col.dictionary.to_pylist()]
+                else:
+                    values, codes = np.unique(col.to_numpy(zero_copy_only=False).astype(str), return_inverse=True)
+                    out["run"], out["run_values"] = codes, [str(v) for v in values]
+            elif n and col.null_count == n:
+                out[name] = np.full(n, np.nan) if name in LOGP_COLUMNS else None
+            else:
+                out[name] = col.to_numpy(zero_copy_only=False)
+        return out
+
+
+def _prefetched(items: Iterator, depth: int) -> Iterator:
+    """The items of ``items``, produced by a background thread at most ``depth`` ahead; an exception raised while
+    producing is raised here, and leaving the loop early stops the thread."""
+    q: queue.Queue = queue.Queue(maxsize=depth)
+    stop = threading.Event()
+    done = object()
+
+    def put(entry) -> bool:
+        while not stop.is_set():
+            try:
+                q.put(entry, timeout=0.05)
+                return True
+            except queue.Full:
+                pass
+        return False
+
+    def produce():
+        try:
+            for item in items:
+                if not put((None, item)):
+                    return
+            put((None, done))
+        except BaseException as e:  # noqa: BLE001 - handed to the consumer, which raises it
+            put((e, None))
+        finally:
+            items.close()
+
+    worker = threading.Thread(target=produce, name="rollout-log-reader", daemon=True)
+    worker.start()
+    try:
+        while True:
+            error, item = q.get()
+            if error is not None:
+                raise error
+            if item is done:
+                return
+            yield item
+    finally:
+        stop.set()
+        worker.join()
 
 
 def open_log(path) -> RolloutLog:

@@ -6,6 +6,7 @@ import json
 import math
 
 import numpy as np
+import orjson
 
 from lab.diagnose.neutral import NeutralLogWriter
 from lab.errors import LabError
@@ -26,8 +27,11 @@ def _number(v) -> bool:
     return isinstance(v, (int, np.integer)) and not isinstance(v, bool) and -2**63 <= v < 2**63
 
 
+_FLOATS = {float, type(None)}
+
+
 class OutOfRange(str):
-    """A JSON number too large for a float64 or an int64, kept as its text so the field check names it."""
+    """A JSON number too large for a float64, kept as its text so the field check names it."""
 
     def __repr__(self):
         return f"{str(self)[:24]}{'...' if len(self) > 24 else ''} (out of range)"
@@ -37,10 +41,16 @@ MAX_JSON_DEPTH = 64
 
 
 def _parse_int(s: str):
-    if len(s) > 20:  # beyond any int64; Python would also refuse more than 4300 digits
+    """An integer as orjson reads it: an int within [-2^63, 2^64), else the nearest float64 (OutOfRange beyond)."""
+    if len(s) > 310:  # beyond any float64 (and Python's 4300-digit limit)
         return OutOfRange(s)
     v = int(s)
-    return v if -2**63 <= v < 2**63 else OutOfRange(s)
+    if -2**63 <= v < 2**64:
+        return v
+    try:
+        return float(v)
+    except OverflowError:
+        return OutOfRange(s)
 
 
 def _parse_float(s: str):
@@ -62,8 +72,23 @@ def _depth(text: str) -> int:
 
 def json_line(raw: bytes, where: str):
     """One JSON value from one line of a JSONL file, bounded: UTF-8, at most MAX_JSON_DEPTH levels of nesting,
-    numbers that fit a float64 / int64 (larger ones come back as OutOfRange text, which the field checks refuse
-    by name); NaN and Infinity literals are refused. One LabError naming ``where`` for anything else."""
+    numbers that fit a float64 or a 64-bit integer; NaN and Infinity literals are refused. One LabError naming
+    ``where`` for anything else.
+
+    orjson parses a line with at most MAX_JSON_DEPTH brackets (so no deeper nesting); it refuses what the bounds
+    refuse and widens an integer beyond 64 bits to a float, which the field checks refuse where an integer is
+    expected. A line orjson refuses, or one with more brackets, is read by the standard library parser with the
+    bounds applied number by number (a number out of range comes back as OutOfRange text, which the field checks
+    refuse by name), which says what is wrong."""
+    if raw.count(b"[") + raw.count(b"{") <= MAX_JSON_DEPTH:
+        try:
+            return orjson.loads(raw)
+        except orjson.JSONDecodeError:
+            pass  # the careful parser below names the problem
+    return _json_line_checked(raw, where)
+
+
+def _json_line_checked(raw: bytes, where: str):
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -99,6 +124,8 @@ def float_array(values, where: str, name: str) -> np.ndarray:
     """A float64 array from a list of numbers that may hold None (-> NaN), or from a tensor or array; one LabError
     naming the entry for anything else (a string, a nested list)."""
     if isinstance(values, list):
+        if set(map(type, values)) <= _FLOATS:  # floats and nulls: converted at once
+            return np.array(values, dtype=np.float64)
         _entries(values, where, name, _number, "a number or null")
         return np.array([np.nan if v is None else v for v in values], dtype=np.float64)
     try:
@@ -120,6 +147,11 @@ def int_array(values, where: str, name: str) -> np.ndarray:
         values = values.tolist()
     if not isinstance(values, (list, tuple)):
         raise LabError(f"{where}: {name!r} must be a list of integers, got {type(values).__name__}")
+    if set(map(type, values)) <= {int}:
+        try:
+            return np.array(values, dtype=np.int64)
+        except OverflowError:
+            pass  # the entry check names it
     _entries(values, where, name, lambda v: isinstance(v, (int, np.integer)) and not isinstance(v, bool)
              and -2**63 <= v < 2**63, "an integer")
     return np.array(values, dtype=np.int64)
@@ -133,6 +165,9 @@ def mask_array(values, where: str, name: str) -> np.ndarray:
         return values.reshape(-1) != 0
     if not isinstance(values, (list, tuple)):
         raise LabError(f"{where}: {name!r} must be a list of booleans, got {type(values).__name__}")
+    kinds = set(map(type, values))
+    if kinds <= {bool}:
+        return np.array(values, dtype=bool).reshape(-1)
     _entries(values, where, name, lambda v: isinstance(v, (bool, int, np.bool_, np.integer)), "true/false (or 0/1)")
     return np.fromiter((bool(v) for v in values), dtype=bool, count=len(values))
 
