@@ -5,13 +5,14 @@
     .venv/bin/python benchmarks/bench_diagnose.py --tokens 2e6       # smaller (logs of 2M and 4M tokens)
     .venv/bin/python benchmarks/bench_diagnose.py --quick            # smoke test: 300k tokens, one repeat
     .venv/bin/python benchmarks/bench_diagnose.py --keep /tmp/bench  # write the logs once, reuse them next time
+    .venv/bin/python benchmarks/bench_diagnose.py --lengths 4 12     # short responses: memory per sequence
     .venv/bin/python benchmarks/bench_diagnose.py --pandas           # also the pandas read-then-compute (agreement)
     .venv/bin/python benchmarks/bench_diagnose.py --json out.json    # also save every number
 
 Neutral logs (``lab.diagnose.synthetic.random_log``: sampler, old and current log-probs, versions, advantages,
-entropy; responses of 64 to 1024 tokens, batches of 512) of N = ``--tokens`` tokens in 1M-row groups, of 2N tokens
-in 1M-row groups, and of 2N tokens in a single row group. For each, whole processes, interleaved and repeated
-``--repeats`` times (medians reported):
+entropy; responses of 64 to 1024 tokens (``--lengths``), batches of 512) of N = ``--tokens`` tokens in 1M-row
+groups, of 2N tokens in 1M-row groups, and of 2N tokens in a single row group. For each, whole processes,
+interleaved and repeated ``--repeats`` times (medians reported):
 
 - ``python -m lab.diagnose LOG`` (start-up and imports included);
 - the floor: a process that only reads the token columns the diagnostics need with pyarrow, batch by batch at
@@ -121,7 +122,7 @@ def log_ratios(path: Path, repeats: int, import_mib: float) -> dict:
     return res
 
 
-def write_logs(folder: Path, n: int) -> dict:
+def write_logs(folder: Path, n: int, lengths: tuple[int, int]) -> dict:
     """{name: (path, tokens, row groups)}, written unless already there."""
     from lab.diagnose.synthetic import random_log
 
@@ -131,10 +132,10 @@ def write_logs(folder: Path, n: int) -> dict:
             f"{2 * n / 1e6:g}M, one row group": (2 * n, 4 * n)}
     out = {}
     for name, (tokens, rg) in spec.items():
-        path = folder / f"log_{tokens}_{rg}"
+        path = folder / f"log_{tokens}_{rg}_{lengths[0]}_{lengths[1]}"
         if not (path / "meta.json").exists():
             t0 = time.perf_counter()
-            random_log(path, tokens, lengths=(64, 1024), batch=512, seed=0, row_group_rows=rg)
+            random_log(path, tokens, lengths=lengths, batch=512, seed=0, row_group_rows=rg)
             print(f"wrote {name} in {time.perf_counter() - t0:.0f} s")
         meta = pq.ParquetFile(path / "tokens.parquet").metadata
         out[name] = (path, meta.num_rows, meta.num_row_groups)
@@ -244,6 +245,8 @@ print(json.dumps({"seconds": time.perf_counter() - t0,
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=float, default=1e7, help="tokens of the first log (the others have twice as many)")
+    ap.add_argument("--lengths", type=int, nargs=2, default=(64, 1024), metavar=("LO", "HI"),
+                    help="response lengths of the neutral logs, uniform (default 64 1024; short ones: more sequences)")
     ap.add_argument("--dumps", type=float, default=3e6, help="tokens of each framework dump (0: none)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--quick", action="store_true", help="300k-token logs, 200k-token dumps, one repeat")
@@ -260,7 +263,7 @@ def main() -> int:
     folder = args.keep or Path(tmp)
     folder.mkdir(parents=True, exist_ok=True)
     try:
-        logs = write_logs(folder, n)
+        logs = write_logs(folder, n, tuple(args.lengths))
         load0 = os.getloadavg()
         print(f"python {platform.python_version()}, {os.cpu_count()} cores, load average {load0[0]:.2f} "
               f"(1 min) {load0[1]:.2f} (5 min); {repeats} interleaved repeats, medians")

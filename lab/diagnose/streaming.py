@@ -550,4 +550,5 @@ def _diagnose(log, nan, pair, hyper, corrections, chunk_rows, progress, seed) ->
     return build(st, seed=seed)
 
 
-__all__ = ["CHUNK_ROWS", "Diagnostics", "KHAT_WARN", "LOW_P", "PAIRS", "PAIR_TEXT", "P_EDGES", "check_options", "diagnose"]
+__all__ = ["CHUNK_ROWS", "Diagnostics", "KHAT_WARN", "LOW_P", "PAIRS", "PAIR_TEXT", "P_EDGES", "check_options",
+           "diagnose"]
