@@ -13,10 +13,8 @@ stream a log of any size in bounded memory.
 from __future__ import annotations
 
 import json
-import queue
 import shutil
 import tempfile
-import threading
 from pathlib import Path
 from typing import Iterator
 
@@ -393,19 +391,14 @@ class RolloutLog:
             finally:
                 pf.close()
 
-    def iter_tokens(self, columns, chunk_rows: int = 1 << 20, prefetch: int = 0) -> Iterator[tuple[int, dict]]:
+    def iter_tokens(self, columns, chunk_rows: int = 1 << 20) -> Iterator[tuple[int, dict]]:
         """Yield (first row number, {column: numpy array}) chunks; ``run`` comes as integer codes (``run``) into the
         chunk's list of run names (``run_values``); an optional column that is null on every row of the chunk comes
-        as None, a log-prob column as NaN. Required columns are checked for nulls. ``prefetch`` > 0 reads and
-        decodes up to that many chunks ahead in a background thread (pyarrow decodes without holding the GIL, so
-        reading overlaps the caller's work on the previous chunk)."""
-        chunks = self._chunks(list(dict.fromkeys(columns)), int(chunk_rows))
-        return _prefetched(chunks, prefetch) if prefetch > 0 else chunks
-
-    def _chunks(self, columns: list, chunk_rows: int) -> Iterator[tuple[int, dict]]:
+        as None, a log-prob column as NaN. Required columns are checked for nulls."""
+        columns = list(dict.fromkeys(columns))
         offset = 0
         try:
-            for batch in self._batches(columns, chunk_rows):
+            for batch in self._batches(columns, int(chunk_rows)):
                 yield offset, self._numpy(batch, columns, offset)
                 offset += batch.num_rows
         except (pa.ArrowInvalid, OSError) as e:
@@ -432,48 +425,6 @@ class RolloutLog:
             else:
                 out[name] = col.to_numpy(zero_copy_only=False)
         return out
-
-
-def _prefetched(items: Iterator, depth: int) -> Iterator:
-    """The items of ``items``, produced by a background thread at most ``depth`` ahead; an exception raised while
-    producing is raised here, and leaving the loop early stops the thread."""
-    q: queue.Queue = queue.Queue(maxsize=depth)
-    stop = threading.Event()
-    done = object()
-
-    def put(entry) -> bool:
-        while not stop.is_set():
-            try:
-                q.put(entry, timeout=0.05)
-                return True
-            except queue.Full:
-                pass
-        return False
-
-    def produce():
-        try:
-            for item in items:
-                if not put((None, item)):
-                    return
-            put((None, done))
-        except BaseException as e:  # noqa: BLE001 - handed to the consumer, which raises it
-            put((e, None))
-        finally:
-            items.close()
-
-    worker = threading.Thread(target=produce, name="rollout-log-reader", daemon=True)
-    worker.start()
-    try:
-        while True:
-            error, item = q.get()
-            if error is not None:
-                raise error
-            if item is done:
-                return
-            yield item
-    finally:
-        stop.set()
-        worker.join()
 
 
 def open_log(path) -> RolloutLog:

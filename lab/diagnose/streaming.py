@@ -10,13 +10,14 @@ Sequence log-weight L = sum_t m_t delta_t (a plain sum, no length division), W =
 taken in the log's log-prob dtype and then widened to float64, as the lab's trainer does.
 
 Memory and speed: the pass reads only the token columns it needs, in chunks of ``chunk_rows`` rows (64k by
-default) decoded page by page from a buffered stream whatever the writer's row-group size, the next chunk read in
-a background thread meanwhile; it keeps one 641-bin histogram per step and pair and about 1 KB per sequence (the
-sequences table and per-sequence sums). Per chunk, the work on tokens is numpy on whole arrays: per-sequence sums
-are np.add.reduceat over runs (consecutive rows of one sequence), per-step moments and lag buckets add those run
-sums, so the tokens are summed once; the corrections' effects are computed on the tokens whose coefficient differs
-from their weight. Measured (benchmarks/bench_diagnose.py): the whole command against a bare pyarrow read of the
-same columns, and its peak memory, the same for a log in 1M-row groups and in one 20M-row group.
+default) decoded page by page from a buffered stream whatever the writer's row-group size; it keeps one 641-bin
+histogram per step and pair and about 1.4 KB per sequence (the sequences table and per-sequence sums). Per chunk,
+the work on tokens is numpy on whole arrays: per-sequence sums are np.add.reduceat over runs (consecutive rows of
+one sequence), per-step moments and lag buckets add those run sums, so the tokens are summed once; the corrections'
+effects are computed on the tokens whose coefficient differs from their weight. Measured in
+benchmarks/bench_diagnose.py: the whole command against a bare pyarrow read of the same columns, and its peak
+memory, the same for logs of 10M and 20M tokens and for one 20M-row group. Torch work (the corrections'
+coefficients) runs on one thread: on elementwise chunk work more threads add contention.
 
 Bad input stops with one LabError naming the file and row: an unknown (run, step, sample_id), a sequence whose
 token rows do not match its ``response_length``, or missing/NaN log-probs on loss-masked tokens. With
@@ -540,7 +541,7 @@ def _diagnose(log, nan, pair, hyper, corrections, chunk_rows, progress, seed) ->
     cols = ["run", "step", "sample_id", "position", "loss_mask", "advantage", "version", *log.logp_columns]
     bar = progress_bar(log.n_token_rows, "diagnose", enabled=progress, unit="tok", unit_scale=True)
     try:
-        for offset, chunk in log.iter_tokens(cols, chunk_rows, prefetch=1):  # the next chunk is read meanwhile
+        for offset, chunk in log.iter_tokens(cols, chunk_rows):
             st.chunk(offset, chunk)
             bar.update(len(chunk["step"]))
     finally:
