@@ -255,7 +255,7 @@ def main() -> int:
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
     n = int(3e5 if args.quick else args.tokens)
-    n_dumps = int(2e5 if args.quick else args.dumps)
+    n_dumps = int(2e5 if args.quick and args.dumps else args.dumps)
     repeats = 1 if args.quick else args.repeats
     tmp = None
     if args.keep is None:
