@@ -421,7 +421,7 @@ def test_skyrl_dump_value_by_value(tmp_path, monkeypatch, new):
     log = RolloutLog(convert("skyrl", tmp_path / "export", tmp_path / "neutral"))
     tok, seq = _tables(tmp_path / "neutral")
     assert log.meta["source"] == "skyrl"
-    assert log.meta["notes"] == ["2 rows without loss-masked tokens (batch padding) skipped"]
+    assert log.meta["notes"] == ["2 padding rows (SkyRL's pad_size, added to fill the data-parallel ranks) skipped"]
     k = 0
     for step, batch in batches.items():
         R = batch["loss_mask"].shape[1]
@@ -505,4 +505,7 @@ def test_skyrl_malformed_prompt_boundaries(tmp_path, monkeypatch, capsys, bounds
 def test_unknown_format_is_one_line(capsys, tmp_path):
     assert main(["--from", "verl", str(tmp_path)]) == 2
     err = capsys.readouterr().err.strip()
-    assert err == "error: unknown log format 'verl' for --from; known formats: lab, prime-rl, slime, skyrl"
+    from lab.diagnose.adapters import FORMATS
+
+    assert err == f"error: unknown log format 'verl' for --from; known formats: {', '.join(FORMATS)}"
+    assert set(FORMATS) == {"lab", "prime-rl", "slime", "skyrl", "nemo-rl"}

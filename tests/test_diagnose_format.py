@@ -48,8 +48,9 @@ def test_tensor_writer_round_trip(tmp_path):
     path = tmp_path / "log"
     meta = make_meta("lab", {"sampler_logp": "mu", "old_logp": "old", "current_logp": "pi"})
     with RolloutLogWriter(path, meta, run="r0") as w:
-        w.add(7, torch.tensor([10, 11, 12, 13]), tokens, mask, mu, old, cur, ver, adv, torch.tensor([1., 0., 1., 0.]),
-              torch.tensor([0, 0, 1, 1]), entropy=torch.ones(B, T), trainer_version=4)
+        w.add(7, torch.tensor([10, 11, 12, 13]), tokens, mask, sampler_logp=mu, old_logp=old, current_logp=cur,
+              version=ver, advantages=adv, rewards=torch.tensor([1., 0., 1., 0.]), group_ids=torch.tensor([0, 0, 1, 1]),
+              entropy=torch.ones(B, T), trainer_version=4)
     log = RolloutLog(path)
     assert log.meta["logp_dtype"] == "float32" and log.meta["batch_width"] == T
     tok = pq.read_table(path / "tokens.parquet").to_pandas()
@@ -79,8 +80,8 @@ def test_tensor_writer_takes_bfloat16(tmp_path):
     mu = (-torch.rand(B, T, generator=torch.Generator().manual_seed(1))).to(torch.bfloat16)
     mask = torch.ones(B, T, dtype=torch.bfloat16)
     with RolloutLogWriter(tmp_path / "log", META) as w:
-        w.add(1, torch.arange(B), torch.zeros(B, T, dtype=torch.long), mask, mu, mu - 0.25, None, None,
-              torch.tensor([0.5, -1.0, 2.0], dtype=torch.bfloat16), None, None)
+        w.add(1, torch.arange(B), torch.zeros(B, T, dtype=torch.long), mask, sampler_logp=mu, old_logp=mu - 0.25,
+              advantages=torch.tensor([0.5, -1.0, 2.0], dtype=torch.bfloat16))
     log = RolloutLog(tmp_path / "log")
     tok = pq.read_table(tmp_path / "log" / "tokens.parquet").to_pandas()
     assert log.meta["logp_dtype"] == "float32"
@@ -107,11 +108,13 @@ def test_writer_rejects_inconsistent_input(tmp_path):
     w = RolloutLogWriter(tmp_path / "log", META)
     m = torch.ones(2, 3)
     with pytest.raises(LabError, match="current_logp is given"):
-        w.add(1, torch.arange(2), torch.zeros(2, 3, dtype=torch.long), m, -m, -m, -m, None, None, None, None)
+        w.add(1, torch.arange(2), torch.zeros(2, 3, dtype=torch.long), m, sampler_logp=-m, old_logp=-m, current_logp=-m)
     with pytest.raises(LabError, match="shape"):
-        w.add(1, torch.arange(2), torch.zeros(2, 4, dtype=torch.long), m, -m, -m, None, None, None, None, None)
+        w.add(1, torch.arange(2), torch.zeros(2, 4, dtype=torch.long), m, sampler_logp=-m, old_logp=-m)
     with pytest.raises(LabError, match="distinct"):
-        w.add(1, torch.zeros(2), torch.zeros(2, 3, dtype=torch.long), m, -m, -m, None, None, None, None, None)
+        w.add(1, torch.zeros(2), torch.zeros(2, 3, dtype=torch.long), m, sampler_logp=-m, old_logp=-m)
+    with pytest.raises(TypeError):  # the optional arguments are keywords: no positional placeholders
+        w.add(1, torch.arange(2), torch.zeros(2, 3, dtype=torch.long), m, -m, -m)
     w.abort()
     assert not (tmp_path / "log").exists() and list(tmp_path.iterdir()) == []
 

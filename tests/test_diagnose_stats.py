@@ -4,6 +4,7 @@ from __future__ import annotations
 
 
 import numpy as np
+import pandas as pd
 import pytest
 import torch
 
@@ -92,8 +93,9 @@ def test_lab_metrics_from_a_log_equal_the_trainers(tmp_path, dtype):
             lp_pi = torch.log_softmax(logits + step * 0.4 * torch.randn(B, T, 6, generator=g, dtype=dtype), -1
                                       ).gather(-1, tokens[..., None])[..., 0] * mask
             logged.append(weight_metrics(lp_pi, lp_mu, lp_old, mask))
-            log.add(step, torch.arange(B) + 100 * step, tokens, mask, lp_mu, lp_old, lp_pi, torch.full((B,), step - 1),
-                    torch.randn(B, generator=g), torch.zeros(B), torch.arange(B) // 8, trainer_version=step)
+            log.add(step, torch.arange(B) + 100 * step, tokens, mask, sampler_logp=lp_mu, old_logp=lp_old,
+                    current_logp=lp_pi, version=torch.full((B,), step - 1), advantages=torch.randn(B, generator=g),
+                    rewards=torch.zeros(B), group_ids=torch.arange(B) // 8, trainer_version=step)
     got = lab_weight_metrics(path)
     for step, want in enumerate(logged, 1):
         row = got[got["step"] == step].iloc[0]
@@ -194,7 +196,8 @@ def test_heavy_tailed_steps_raise_the_khat_warning(tmp_path):
     rng = np.random.default_rng(6)
     calm = [np.full(20, x) for x in rng.normal(0, 0.01, 200)]
     wild = [np.full(20, x) for x in rng.standard_t(1.5, 200) * 0.4]  # sequence log-weights with a heavy tail
-    d = diagnose(log_from_deltas(tmp_path / "log", [calm, wild, wild]), progress=False)
+    probs = [[rng.random(20) for _ in calm], *[[np.full(20, 1e-12) for _ in wild]] * 2]  # room for log-ratios > 0
+    d = diagnose(log_from_deltas(tmp_path / "log", [calm, wild, wild], probs), progress=False)
     ps = d.tables["per_step"].set_index("step")
     assert not ps.loc[1, "khat_warning"] and ps.loc[2, "khat_warning"] and ps.loc[3, "khat_warning"]
     np.testing.assert_allclose(ps.loc[2, "khat"], diagnostics.psis_khat(np.array([w.sum() for w in wild])), rtol=1e-5)
@@ -210,3 +213,76 @@ def test_simulated_run_has_real_staleness_and_mismatch(tmp_path):
     assert st.loc[0, "mean_abs_mismatch"] < st.loc[1, "mean_abs_mismatch"] < st.loc[2, "mean_abs_mismatch"]
     assert 0 < st.loc[0, "mean_abs_mismatch"] < 0.02  # rounding only
     assert d.summary["staleness"]["max_lag"] == 2
+
+
+def _ragged_log(path, row_group_rows: int, seed: int = 3):
+    """A log with every case the pass treats apart: two runs, masked tokens, NaN log-probs on masked and on
+    loss-masked tokens, token advantages missing on some rows (and sequence advantages on some sequences),
+    versions that change inside a response (partial rollouts) or are missing, weights far outside every
+    correction's band, and sequences of 1 to 90 tokens."""
+    rng = np.random.default_rng(seed)
+    meta = make_meta("test", {"sampler_logp": "sampler", "old_logp": "trainer", "current_logp": "current"})
+    with NeutralLogWriter(path, meta, row_group_rows=row_group_rows) as w:
+        for run in ("a", "b"):
+            for step in range(1, 4):
+                n_seq = 12
+                lens = rng.integers(1, 91, n_seq)
+                n = int(lens.sum())
+                s = np.log(rng.random(n) ** 3 + 1e-9).astype(np.float32)
+                old = np.minimum(s + rng.standard_normal(n).astype(np.float32) * 0.4, 0).astype(np.float32)
+                cur = np.minimum(old + rng.standard_t(2, n).astype(np.float32) * 0.3, 0).astype(np.float32)
+                mask = rng.random(n) < 0.9
+                s[~mask & (rng.random(n) < 0.3)] = np.nan  # ignored: not loss-masked
+                old[mask & (rng.random(n) < 0.01)] = np.nan  # dropped by nan="drop"
+                adv = np.repeat(rng.standard_normal(n_seq), lens)
+                adv[rng.random(n) < 0.2] = np.nan
+                version = np.repeat(step - 1 - rng.integers(0, 3, n_seq), lens).astype(float)
+                version[rng.random(n) < 0.05] += 1  # a version change inside a response
+                version[np.repeat(rng.random(n_seq) < 0.2, lens)] = np.nan
+                seq_adv = rng.standard_normal(n_seq)
+                seq_adv[rng.random(n_seq) < 0.3] = np.nan
+                sid = np.repeat(np.arange(n_seq), lens)
+                w.write_tokens({"run": run, "step": step, "sample_id": sid,
+                                "position": np.arange(n) - np.repeat(np.cumsum(lens) - lens, lens),
+                                "loss_mask": mask, "sampler_logp": s, "old_logp": old, "current_logp": cur,
+                                "version": version, "advantage": adv})
+                v = version.copy()
+                w.write_sequences({"run": run, "step": step, "sample_id": np.arange(n_seq), "response_length": lens,
+                                   "advantage": seq_adv, "version_min": np.fmin.reduceat(v, np.cumsum(lens) - lens),
+                                   "version_max": np.fmax.reduceat(v, np.cumsum(lens) - lens),
+                                   "trainer_version": np.full(n_seq, step - 1)})
+    return path
+
+
+def _assert_close(got, want, where: str) -> None:
+    """Nested summaries equal: numbers to rounding (rtol 1e-10), everything else exactly."""
+    if isinstance(want, dict):
+        assert set(got) == set(want), where
+        for key in want:
+            _assert_close(got[key], want[key], f"{where}.{key}")
+    elif isinstance(want, (list, tuple)):
+        assert len(got) == len(want), where
+        for i, (g, w) in enumerate(zip(got, want)):
+            _assert_close(g, w, f"{where}[{i}]")
+    elif isinstance(want, (float, np.floating)) and not isinstance(want, bool):
+        assert got == pytest.approx(want, rel=1e-10, abs=1e-13, nan_ok=True), where
+    else:
+        assert got == want, where
+
+
+def test_chunk_and_row_group_sizes_change_no_output(tmp_path):
+    """Every table and the summary are the same (to rounding) whatever the reader's chunk size and the writer's
+    row-group size: sequences and steps straddle chunks and row groups, and the pass sums them piece by piece."""
+    whole = _ragged_log(tmp_path / "whole", 1 << 20)
+    small = _ragged_log(tmp_path / "small", 37)
+    want = diagnose(whole, nan="drop", chunk_rows=1 << 20, progress=False)
+    assert want.summary["nan"]["tokens"]["old_logp"] > 0 and want.summary["advantages"] == ["none", "sequence",
+                                                                                             "token"]
+    assert (want.tables["corrections"]["tokens_changed"] > 0).all()
+    for path, chunk in ((whole, 5), (whole, 211), (small, 1 << 20), (small, 64)):
+        got = diagnose(path, nan="drop", chunk_rows=chunk, progress=False)
+        _assert_close(got.summary, want.summary, f"summary ({path.name}, chunk {chunk})")
+        assert set(got.tables) == set(want.tables)
+        for name, table in want.tables.items():
+            pd.testing.assert_frame_equal(got.tables[name], table, check_exact=False, rtol=1e-10, atol=1e-13,
+                                          obj=f"{name} ({path.name}, chunk {chunk})")

@@ -1,16 +1,18 @@
-"""``lab diagnose --from lab|prime-rl|slime|skyrl PATH``: the rollout diagnostics of a training run's own logs.
+"""``lab diagnose --from FORMAT PATH``: the rollout diagnostics of a training run's own logs (FORMAT: a name in
+lab.diagnose.adapters.ADAPTERS).
 
 Prints the verdict and the headline numbers; ``--out DIR`` also writes a run folder (config.json,
 results.parquet, summary.json and one parquet file per table). Framework dumps are converted to the neutral
 format first (``--save-log DIR`` keeps the converted log). Bad input raises LabError: the main command prints it
 as one line and exits 2. Every option and output path is checked before any work (an output may not be, contain
 or lie inside the input, nor overlap the other output); the outputs are built in hidden staging folders and
-renamed into place together at the end, so a failure leaves nothing written, and the verdict is printed only
-once everything is.
+renamed into place together at the end, so a failure (a full disk included) leaves nothing written, and the
+verdict is printed only once everything is.
 """
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import os
 import shutil
@@ -22,10 +24,20 @@ from lab.configs import seed_arg
 from lab.errors import LabError
 from lab.runs import remove_empty
 
-TABLES = ("per_step", "overall", "by_probability", "by_length", "growth", "staleness", "corrections", "histograms")
+TABLES = ("per_step", "overall", "by_probability", "by_length", "growth", "staleness", "corrections", "histograms",
+          "dashboards")
+
+
+def _from_help() -> str:
+    from lab.diagnose.adapters import ADAPTERS
+
+    return "; ".join(f"{a.name}: {a.reads}" for a in ADAPTERS.values()) + " (default: lab)"
 
 
 def add_parser(subparsers):
+    from lab.diagnose.adapters import FORMATS
+    from lab.diagnose.streaming import CHUNK_ROWS
+
     p = subparsers.add_parser(
         "diagnose", help="importance-weight diagnostics of a training run's rollout logs",
         description="Importance-weight diagnostics of a training run's own rollout logs: sampler/trainer and "
@@ -33,9 +45,7 @@ def add_parser(subparsers):
                     "PSIS k-hat per step, staleness, and what each correction (TIS, IcePop, PPO clip, GSPO, CISPO, "
                     "SAPO, VESPO) would clip or mask. See docs/rollout-logs.md.")
     p.add_argument("path", type=Path, help="the log: a neutral log folder, or the framework's dump (see --from)")
-    p.add_argument("--from", dest="fmt", default="lab", metavar="FORMAT",
-                   help="lab (a neutral log folder, default), prime-rl (token_exports), slime (--dump-details "
-                        "folder), skyrl (dumped_data)")
+    p.add_argument("--from", dest="fmt", default="lab", metavar="{" + ",".join(FORMATS) + "}", help=_from_help())
     p.add_argument("--out", type=Path, default=None, help="write the run folder with every table here")
     p.add_argument("--save-log", type=Path, default=None, help="keep the converted neutral log here (framework dumps)")
     p.add_argument("--nan", default="error", metavar="error|drop",
@@ -45,28 +55,33 @@ def add_parser(subparsers):
     p.add_argument("-H", "--hyper", action="append", metavar="NAME.KEY=VALUE",
                    help="a correction's hyper-parameter, e.g. -H tis_token.cap=3 (repeatable)")
     p.add_argument("--trust-pickle", action="store_true",
-                   help="load slime/SkyRL pickles without restrictions (runs code from the file: trusted files only)")
+                   help="load slime/SkyRL pickles without the restricted unpickler (runs code from the file: trusted "
+                        "files only)")
     p.add_argument("--temperature", type=float, default=None, help="the sampler's temperature, if the log lacks it")
     p.add_argument("--top-p", type=float, default=None, help="the sampler's top-p, if the log lacks it")
     p.add_argument("--top-k", type=int, default=None, help="the sampler's top-k, if the log lacks it")
-    p.add_argument("--chunk-rows", type=int, default=1 << 18, help="token rows per streamed chunk")
+    p.add_argument("--chunk-rows", type=int, default=CHUNK_ROWS, help="token rows per streamed chunk")
     p.add_argument("--seed", type=seed_arg, default=0, help="seed of the bootstrap intervals")
     p.set_defaults(func=run)
     return p
 
 
 def parse_hyper(items) -> dict:
+    """{name: {key: value}} from -H NAME.KEY=VALUE items (VALUE read as JSON when it parses, else a string); a
+    NAME.KEY given twice is refused rather than the last one silently kept."""
     out: dict = {}
     for item in items or []:
         if "=" not in item or "." not in item.split("=", 1)[0]:
             raise LabError(f"-H must look like NAME.KEY=VALUE (e.g. tis_token.cap=3), got {item!r}")
         lhs, value = item.split("=", 1)
-        name, key = lhs.split(".", 1)
+        name, key = (x.strip() for x in lhs.split(".", 1))
         try:
             value = json.loads(value)
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, RecursionError, ValueError):
             pass
-        out.setdefault(name.strip(), {})[key.strip()] = value
+        if key in out.get(name, {}):
+            raise LabError(f"-H {name}.{key} is given twice ({out[name][key]!r} and {value!r}); give it once")
+        out.setdefault(name, {})[key] = value
     return out
 
 
@@ -187,17 +202,25 @@ class Outputs:
             remove_empty(self.made)
 
 
+def _check_pair(pair: str, logp: dict, what: str) -> None:
+    """Refuse --pair P before any work when the log (declared log-prob columns ``logp``) cannot form P."""
+    from lab.diagnose.streaming import PAIRS, pairs_of
+
+    have = pairs_of([c for c, d in logp.items() if d is not None])
+    if pair != "natural" and pair not in have:
+        raise LabError(f"--pair {pair} compares {' and '.join(PAIRS[pair])}, which {what} does not both have (it "
+                       f"can give: {', '.join(have) or 'none'}); choose one of those or natural")
+
+
 def run(args) -> int:
-    from lab.diagnose.adapters import FORMATS, convert
+    from lab.diagnose.adapters import adapter
     from lab.diagnose.corrections import PAIR_ORDER, resolve
     from lab.diagnose.neutral import RolloutLog
     from lab.diagnose.schema import check_meta
     from lab.diagnose.streaming import check_options, diagnose
-    from lab.runs import write_run
 
-    if args.fmt not in FORMATS:
-        raise LabError(f"unknown log format {args.fmt!r} for --from; known formats: {', '.join(FORMATS)}")
-    if args.save_log is not None and args.fmt == "lab":
+    source = adapter(args.fmt)
+    if args.save_log is not None and source.module is None:
         raise LabError("--save-log keeps a converted framework dump; a --from lab log is already neutral")
     check_options(args.nan, args.pair, args.chunk_rows)
     hyper = parse_hyper(args.hyper)
@@ -205,13 +228,18 @@ def run(args) -> int:
     sampling = _sampling(args)
     if not Path(args.path).exists():
         raise LabError(f"{args.path}: no such file or folder")
+    log = None
+    if source.module is None:
+        log = RolloutLog(args.path)
+        _check_pair(args.pair, log.meta["logp"], f"the log {args.path}")
+    else:
+        _check_pair(args.pair, source.logp, f"a {source.name} dump")
     check_targets(args.path, args.out, args.save_log)
 
     outputs = Outputs(p for p in (args.save_log, args.out) if p is not None)
     scratch = None
     try:
-        if args.fmt == "lab":
-            log = RolloutLog(args.path)
+        if log is not None:
             if sampling:
                 log.meta["sampling"].update(sampling)
                 check_meta(log.meta, log.path / "meta.json")
@@ -221,16 +249,13 @@ def run(args) -> int:
             else:
                 scratch = Path(tempfile.mkdtemp(prefix=".lab-diagnose."))
                 dest = scratch / "log"
-            log = RolloutLog(convert(args.fmt, args.path, dest, trust=args.trust_pickle, sampling=sampling))
+            log = RolloutLog(source.convert(args.path, dest, trust=args.trust_pickle, sampling=sampling))
         diag = diagnose(log, nan=args.nan, pair=args.pair, hyper=hyper, chunk_rows=args.chunk_rows, seed=args.seed)
         if args.out is not None:
-            config = {"command": "diagnose", "from": args.fmt, "path": str(args.path), "nan": args.nan,
-                      "pair": args.pair, "hyper": hyper, "sampling_overrides": sampling, "chunk_rows": args.chunk_rows,
-                      "seed": args.seed, "log_meta": plain(log.meta)}
-            extra = {f"{name}.parquet": (lambda p, df=diag.tables[name]: df.to_parquet(p, index=False))
-                     for name in TABLES if name in diag.tables}
-            write_run(outputs.stage(args.out), config, diag.tables["results"], plain(diag.summary), extra=extra)
+            _write_out(outputs.stage(args.out), args, hyper, sampling, log, diag)
         outputs.commit()
+    except OSError as e:
+        raise LabError(_os_error_text(e, args.path)) from None
     finally:
         outputs.close()
         if scratch is not None:
@@ -242,6 +267,30 @@ def run(args) -> int:
         if p is not None:
             print(f"wrote {p}")
     return 0
+
+
+def _write_out(dest: Path, args, hyper: dict, sampling: dict, log, diag) -> None:
+    from lab.runs import write_run
+
+    config = {"command": "diagnose", "from": args.fmt, "path": str(args.path), "nan": args.nan,
+              "pair": args.pair, "hyper": hyper, "sampling_overrides": sampling, "chunk_rows": args.chunk_rows,
+              "seed": args.seed, "log_meta": plain(log.meta)}
+    extra = {f"{name}.parquet": (lambda p, df=diag.tables[name]: df.to_parquet(p, index=False))
+             for name in TABLES if name in diag.tables}
+    write_run(dest, config, diag.tables["results"], plain(diag.summary), extra=extra)
+
+
+def _os_error_text(e: OSError, source: Path) -> str:
+    """One line for an OSError while converting or writing: the outputs' staging folders are removed by then."""
+    why = "the disk is full" if e.errno == errno.ENOSPC else (e.strerror or str(e).splitlines()[0] if str(e) else
+                                                              type(e).__name__)
+    name = getattr(e, "filename", None)
+    if name and e.errno != errno.ENOSPC and Path(source).resolve() in (Path(name).resolve(),
+                                                                        *Path(name).resolve().parents):
+        return f"cannot read {name}: {why}; nothing was written"
+    where = f" ({name})" if name else ""
+    return (f"cannot write the outputs: {why}{where}; the staging folders were cleaned up and nothing was "
+            f"written; free space or choose another --out / --save-log")
 
 
 class _OneLineParser(argparse.ArgumentParser):

@@ -53,14 +53,19 @@ class Correction:
         from lab import estimators
 
         fn = estimators.info(self.name).coefficient
-        out = fn(torch.from_numpy(np.array(ratio, dtype=np.float64)),
-                 torch.from_numpy(np.array(advantage, dtype=np.float64)), **self.hyper)
+        out = fn(_tensor(ratio), _tensor(advantage), **self.hyper)
         return out.numpy() if torch.is_tensor(out) else np.asarray(out, dtype=np.float64)
 
     def describe(self) -> str:
         shown = {k: v for k, v in self.hyper.items() if not (self.name in ("tis_token", "tis_seq", "mis_token",
                                                                              "mis_seq") and k.startswith("clip_ratio"))}
         return ", ".join(f"{k}={v}" for k, v in shown.items())
+
+
+def _tensor(x) -> torch.Tensor:
+    """A float64 tensor sharing the array's memory (copied only when the array is read-only)."""
+    a = np.ascontiguousarray(x, dtype=np.float64)
+    return torch.from_numpy(a if a.flags.writeable else a.copy())
 
 
 def resolve(pairs_available, names=CORRECTIONS, pair: str = "natural", hyper: dict | None = None) -> list[Correction]:
@@ -75,6 +80,12 @@ def resolve(pairs_available, names=CORRECTIONS, pair: str = "natural", hyper: di
 
         raise LabError(f"hyper-parameters given for {', '.join(stray)}, which the report does not evaluate; it evaluates "
                        f"{', '.join(names)}")
+    if pair != "natural" and pair not in pairs_available:
+        from lab.errors import LabError
+        from lab.diagnose.streaming import PAIRS
+
+        raise LabError(f"--pair {pair} compares {' and '.join(PAIRS[pair])}, which this log does not both have "
+                       f"(it has the pairs: {', '.join(pairs_available) or 'none'}); choose one of those or natural")
     out = []
     for name in names:
         info = estimators.info(name)  # LabError for an unknown name
@@ -88,13 +99,15 @@ def resolve(pairs_available, names=CORRECTIONS, pair: str = "natural", hyper: di
     return out
 
 
-def token_effect(corr: Correction, delta: np.ndarray, adv: np.ndarray, weight: np.ndarray):
-    """Per-token (changed, zeroed, w, removed, added) for a token-level correction on log-ratios ``delta``."""
-    w = np.exp(np.clip(delta, -LOG_W_BOUND, LOG_W_BOUND))
-    c = corr.coefficient(w, adv)
-    changed = np.abs(c - w) > 1e-6 * (1.0 + w)
+def token_effect(c: np.ndarray, w: np.ndarray, weight: np.ndarray):
+    """Per-token (changed, zeroed, removed, added) of a token-level correction with coefficients ``c`` =
+    coefficient(w, A) on the raw token weights ``w`` = exp(clamp(delta, +-LOG_W_BOUND)), advantage weights
+    ``weight`` = |A|: changed |c - w| > 1e-6 (1 + w), zeroed c = 0, removed weight (w - c)+, added weight (c - w)+."""
+    diff = c - w
+    changed = np.abs(diff) > 1e-6 * (1.0 + w)
     zeroed = c == 0
-    return changed, zeroed, weight * w, weight * np.maximum(w - c, 0.0), weight * np.maximum(c - w, 0.0)
+    r = weight * diff
+    return changed, zeroed, np.maximum(-r, 0.0), np.maximum(r, 0.0)
 
 
 def sequence_weight(corr: Correction, L: np.ndarray, n: np.ndarray) -> np.ndarray:

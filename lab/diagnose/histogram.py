@@ -17,13 +17,19 @@ _EDGES = 10.0 ** (LO_DECADE + np.arange(SIDE + 1) / PER_DECADE)  # |x| edges of 
 
 
 def bin_index(x: np.ndarray) -> np.ndarray:
-    """Histogram bin of each finite or infinite x (NaN is not allowed: filter it first)."""
-    ax = np.abs(x)
+    """Histogram bin of each finite or infinite x (NaN is not allowed: filter it first): ZERO + sign(x) (k + 1),
+    k = floor((log10|x| - LO_DECADE) PER_DECADE) clipped to -1 .. SIDE - 1 (-1: the central bin)."""
+    k = np.abs(x)
     with np.errstate(divide="ignore"):
-        k = np.floor((np.log10(ax) - LO_DECADE) * PER_DECADE)
-    k = np.clip(np.nan_to_num(k, nan=-1.0, posinf=SIDE - 1, neginf=-1.0), -1, SIDE - 1).astype(np.int64)
-    out = np.where(x > 0, ZERO + 1 + k, ZERO - 1 - k)
-    return np.where(k < 0, ZERO, out)
+        np.log10(k, out=k)
+    k -= LO_DECADE
+    k *= PER_DECADE
+    np.floor(k, out=k)
+    np.clip(k, -1, SIDE - 1, out=k)
+    k += 1
+    np.copysign(k, x, out=k)
+    k += ZERO
+    return k.astype(np.intp)
 
 
 def bin_edges() -> tuple[np.ndarray, np.ndarray]:

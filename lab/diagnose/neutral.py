@@ -29,6 +29,7 @@ from lab.errors import LabError
 from lab.runs import replace_dir
 
 ROW_GROUP_ROWS = 1 << 20
+READ_BUFFER = 1 << 20  # bytes read at a time from a column chunk
 
 
 def _is_log_folder(path: Path) -> bool:
@@ -201,9 +202,11 @@ class RolloutLogWriter:
     """Write a training run's mini-batches as a neutral rollout log.
 
         with RolloutLogWriter("runs/x/rollout_log", meta) as log:       # meta: schema.make_meta(...) or None
-            log.add(step, sample_ids, tokens, mask, sampler_logp, old_logp, current_logp, version,
-                    advantages, rewards, group_ids, entropy=None, trainer_version=None)
+            log.add(step, sample_ids, tokens, mask, sampler_logp=mu, old_logp=old, current_logp=None,
+                    version=None, advantages=adv, rewards=None, group_ids=None, entropy=None, trainer_version=None)
 
+    ``step``, ``sample_ids``, ``tokens`` and ``mask`` are positional; everything else is a keyword and may be left
+    out (None: the log does not have it).
     Shapes: ``tokens``, ``mask``, the log-probs, ``entropy`` [B, T]; ``sample_ids``, ``rewards``, ``group_ids`` [B];
     ``advantages`` and ``version`` [B] or [B, T]; ``trainer_version`` an int or [B]. A log-prob argument is None
     exactly when the metadata declares it absent. Each row keeps its positions up to its last loss-masked token
@@ -229,8 +232,9 @@ class RolloutLogWriter:
             self._writer = NeutralLogWriter(self.path, self.meta, row_group_rows=self.row_group_rows)
         return self._writer
 
-    def add(self, step, sample_ids, tokens, mask, sampler_logp, old_logp, current_logp, version, advantages,
-            rewards, group_ids, entropy=None, trainer_version=None) -> None:
+    def add(self, step, sample_ids, tokens, mask, *, sampler_logp=None, old_logp=None, current_logp=None,
+            version=None, advantages=None, rewards=None, group_ids=None, entropy=None,
+            trainer_version=None) -> None:
         mask = _np(mask, "mask")
         if mask is None or mask.ndim != 2:
             raise LabError(f"mask must be a [B, T] tensor, got shape {None if mask is None else mask.shape}")
@@ -344,9 +348,9 @@ class RolloutLog:
         self._seq = None
 
     @staticmethod
-    def _open(file: Path) -> pq.ParquetFile:
+    def _open(file: Path, buffer_size: int = 0) -> pq.ParquetFile:
         try:
-            return pq.ParquetFile(file, read_dictionary=["run"])
+            return pq.ParquetFile(file, read_dictionary=["run"], buffer_size=buffer_size, pre_buffer=False)
         except (pa.ArrowInvalid, OSError) as e:
             raise LabError(f"{file}: not a readable parquet file ({str(e).splitlines()[0]})") from None
 
@@ -376,40 +380,51 @@ class RolloutLog:
         return df
 
     def _batches(self, columns, chunk_rows: int):
-        """Record batches of at most ``chunk_rows`` rows, one parquet row group in memory at a time (pyarrow's
-        iter_batches keeps allocations alive until the file is closed, so its memory would grow with the log)."""
+        """Record batches of at most ``chunk_rows`` rows, decoded page by page from a stream read in READ_BUFFER
+        pieces, one row group at a time, so that memory stays flat whatever row-group size the writer chose (without
+        a read buffer pyarrow reads a whole column chunk at once; one reader over the whole file keeps its
+        allocations alive until it is closed, so a fresh one is opened for each row group)."""
         for g in range(self._tok.metadata.num_row_groups):
-            table = self._tok.read_row_group(g, columns=columns)
-            yield from table.to_batches(max_chunksize=chunk_rows)
-            del table
+            pf = self._open(self.tokens_file, READ_BUFFER)
+            try:
+                yield from pf.iter_batches(batch_size=chunk_rows, row_groups=[g], columns=columns, use_threads=False)
+            finally:
+                pf.close()
 
     def iter_tokens(self, columns, chunk_rows: int = 1 << 20) -> Iterator[tuple[int, dict]]:
-        """Yield (first row number, {column: numpy array}) chunks; ``run`` comes as a list of strings per chunk
-        (``run_values``) plus integer codes (``run``). Required columns are checked for nulls."""
+        """Yield (first row number, {column: numpy array}) chunks; ``run`` comes as integer codes (``run``) into the
+        chunk's list of run names (``run_values``); an optional column that is null on every row of the chunk comes
+        as None, a log-prob column as NaN. Required columns are checked for nulls."""
         columns = list(dict.fromkeys(columns))
         offset = 0
         try:
             for batch in self._batches(columns, int(chunk_rows)):
-                out = {}
-                for name in columns:
-                    col = batch.column(name)
-                    if TOKEN_COLUMNS[name][1] and col.null_count:
-                        row = offset + int(np.flatnonzero(col.is_null().to_numpy(zero_copy_only=False))[0])
-                        raise LabError(f"{self.tokens_file}: row {row}: column {name!r} is null; it is required")
-                    if name == "run":
-                        if pa.types.is_dictionary(col.type):
-                            out["run"] = col.indices.to_numpy(zero_copy_only=False).astype(np.int64)
-                            out["run_values"] = [str(v) for v in col.dictionary.to_pylist()]
-                        else:
-                            values, codes = np.unique(col.to_numpy(zero_copy_only=False).astype(str), return_inverse=True)
-                            out["run"], out["run_values"] = codes.astype(np.int64), [str(v) for v in values]
-                    else:
-                        out[name] = col.to_numpy(zero_copy_only=False)
-                yield offset, out
+                yield offset, self._numpy(batch, columns, offset)
                 offset += batch.num_rows
         except (pa.ArrowInvalid, OSError) as e:
             raise LabError(f"{self.tokens_file}: cannot read row group near row {offset} "
                            f"({str(e).splitlines()[0]})") from None
+
+    def _numpy(self, batch: pa.RecordBatch, columns: list, offset: int) -> dict:
+        out = {}
+        n = batch.num_rows
+        for name in columns:
+            col = batch.column(name)
+            if TOKEN_COLUMNS[name][1] and col.null_count:
+                row = offset + int(np.flatnonzero(col.is_null().to_numpy(zero_copy_only=False))[0])
+                raise LabError(f"{self.tokens_file}: row {row}: column {name!r} is null; it is required")
+            if name == "run":
+                if pa.types.is_dictionary(col.type):
+                    out["run"] = col.indices.to_numpy(zero_copy_only=False)
+                    out["run_values"] = [str(v) for v in col.dictionary.to_pylist()]
+                else:
+                    values, codes = np.unique(col.to_numpy(zero_copy_only=False).astype(str), return_inverse=True)
+                    out["run"], out["run_values"] = codes, [str(v) for v in values]
+            elif n and col.null_count == n:
+                out[name] = np.full(n, np.nan) if name in LOGP_COLUMNS else None
+            else:
+                out[name] = col.to_numpy(zero_copy_only=False)
+        return out
 
 
 def open_log(path) -> RolloutLog:

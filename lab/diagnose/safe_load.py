@@ -39,25 +39,34 @@ def _numpy_globals() -> list:
 
 
 def torch_load(path: Path, trust: bool = False):
-    """``torch.load`` restricted to tensors, builtins and numpy (weights_only) unless ``trust``."""
+    """``torch.load`` restricted to tensors, builtins and numpy (weights_only) unless ``trust``; a file it cannot
+    read (truncated, corrupt, not a torch.save file), trusted or not, is one LabError."""
     path = Path(path)
     try:
         if trust:
             return torch.load(path, map_location="cpu", weights_only=False)
         with torch.serialization.safe_globals(_numpy_globals()):
             return torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError:
+    except LabError:
+        raise
+    except pickle.UnpicklingError as e:
+        if trust:
+            raise LabError(f"{path}: not a readable torch.save file, truncated or corrupt? ({_why(e)})") from None
         try:
             names = torch.serialization.get_unsafe_globals_in_checkpoint(str(path))
-        except Exception:  # noqa: BLE001 - only for the message
-            names = []
+        except Exception:  # noqa: BLE001 - it cannot even list the file's classes: not a torch.save file
+            raise LabError(f"{path}: not a readable torch.save file, truncated or corrupt? ({_why(e)})") from None
         allowed = {f"{g.__module__}.{g.__qualname__}" for g in _numpy_globals()}
         names = [n for n in names if n not in allowed]
         what = f"objects of class {', '.join(names[:3])}" if names else "objects beyond tensors, numpy and builtins"
         raise LabError(f"{path}: holds {what}, which the restricted loader refuses; {TRUST_HINT}") from None
-    except (RuntimeError, EOFError, OSError, ValueError) as e:
-        why = str(e).splitlines()[0].split(". ")[0] if str(e) else type(e).__name__
-        raise LabError(f"{path}: not a readable torch.save file, truncated or corrupt? ({why})") from None
+    except (Exception, RecursionError) as e:  # noqa: BLE001 - a trusted pickle can fail in any way
+        raise LabError(f"{path}: not a readable torch.save file, truncated or corrupt? ({_why(e)})") from None
+
+
+def _why(e: BaseException) -> str:
+    text = str(e).splitlines()[0].split(". ")[0] if str(e).strip() else ""
+    return f"{type(e).__name__}: {text[:120]}" if text else type(e).__name__
 
 
 # ------------------------------------------------------------------------------------------------ SkyRL
@@ -134,8 +143,8 @@ def load_skyrl_pickle(path: Path, trust: bool = False) -> SkyRLBatch:
             obj = SkyRLUnpickler(f, source=path, trust=trust).load()
     except LabError:
         raise
-    except (pickle.UnpicklingError, EOFError, AttributeError, ImportError, IndexError, TypeError, ValueError) as e:
-        raise LabError(f"{path}: not a readable SkyRL pickle ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
+    except (Exception, RecursionError) as e:  # noqa: BLE001 - a corrupt (or trusted) pickle can fail in any way
+        raise LabError(f"{path}: not a readable SkyRL pickle, truncated or corrupt? ({_why(e)})") from None
     if not isinstance(obj, SkyRLBatch):
         raise LabError(f"{path}: holds a {type(obj).__name__}, expected SkyRL's TrainingInputBatch")
     return obj

@@ -9,13 +9,15 @@ Log-ratio pairs (computed where the log has both columns), per loss-masked token
 Sequence log-weight L = sum_t m_t delta_t (a plain sum, no length division), W = exp(L). The token difference is
 taken in the log's log-prob dtype and then widened to float64, as the lab's trainer does.
 
-Memory: one chunk of token rows (``chunk_rows``, 256k by default) and one parquet row group (the writers use 1M
-rows), one 641-bin histogram per step and pair, and about 1.1 KB per sequence at peak (the sequences table, 40
-float64 accumulators and the bootstrap's per-sequence sums). It does not grow with the number of tokens but does
-with the number of sequences: measured peak above the resident size at start, 316 MiB for a 10M-token log and
-391 MiB for 30M of 256-token responses, 798 MiB for 4M tokens of 8-token responses (0.5M sequences;
-benchmarks/bench_diagnose.py --mean-len). Torch work (the corrections' coefficients) runs on one thread: on
-elementwise chunk work more threads add contention.
+Memory and speed: the pass reads only the token columns it needs, in chunks of ``chunk_rows`` rows (64k by
+default) decoded page by page from a buffered stream whatever the writer's row-group size; it keeps one 641-bin
+histogram per step and pair and about 1.4 KB per sequence (the sequences table and per-sequence sums). Per chunk,
+the work on tokens is numpy on whole arrays: per-sequence sums are np.add.reduceat over runs (consecutive rows of
+one sequence), per-step moments and lag buckets add those run sums, so the tokens are summed once; the corrections'
+effects are computed on the tokens whose coefficient differs from their weight. Measured in
+benchmarks/bench_diagnose.py: the whole command against a bare pyarrow read of the same columns, and its peak
+memory, the same for logs of 10M and 20M tokens and for one 20M-row group. Torch work (the corrections'
+coefficients) runs on one thread: on elementwise chunk work more threads add contention.
 
 Bad input stops with one LabError naming the file and row: an unknown (run, step, sample_id), a sequence whose
 token rows do not match its ``response_length``, or missing/NaN log-probs on loss-masked tokens. With
@@ -29,10 +31,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import pandas as pd
-import torch
 
-from lab.diagnose import histogram as H
-from lab.diagnose.corrections import CORRECTIONS, resolve, token_effect
+from lab.diagnose import dashboards, histogram as H
+from lab.diagnose.corrections import CORRECTIONS, LOG_W_BOUND, resolve, token_effect
 from lab.diagnose.neutral import RolloutLog
 from lab.errors import LabError
 from lab.progress import bar as progress_bar
@@ -45,6 +46,13 @@ LOW_P = 0.1
 MAX_LAG = 64  # lag buckets 0..63, 64 = "64 or more", 65 = negative, 66 = unknown
 KHAT_WARN = 0.7
 QS = (0.01, 0.05, 0.5, 0.95, 0.99)
+LOGP_MAX = 0.1  # a log-prob above this (probability above 1.105) is no rounding of a log-softmax: bad input
+CHUNK_ROWS = 1 << 16  # token rows per chunk: its arrays stay in the CPU's cache
+
+
+def pairs_of(logp_columns) -> list[str]:
+    """The log-ratio pairs a log with these log-prob columns can form, in PAIRS order."""
+    return [p for p in ("mismatch", "update", "total") if all(c in logp_columns for c in PAIRS[p])]
 
 
 @dataclass
@@ -87,12 +95,59 @@ class _SeqIndex:
         return np.where(ok, self.order[pos] if len(self.order) else -1, -1)
 
 
-def _add_at(target: np.ndarray, idx: np.ndarray, values: np.ndarray) -> None:
-    np.add.at(target, idx, values)
+class _Chunk:
+    """One chunk's runs (spans of consecutive rows of one sequence) and the helpers that sum per run and add per
+    sequence and per step."""
+
+    def __init__(self, starts: np.ndarray, lens: np.ndarray, run_seq: np.ndarray, run_step: np.ndarray):
+        self.starts, self.lens, self.run_seq, self.run_step = starts, lens, run_seq, run_step
+        self.n = int(lens.sum())
+        self.unique = len(np.unique(run_seq)) == len(run_seq)
+        self.s_lo, self.s_hi = int(run_step.min()), int(run_step.max())
+        self._seq_idx = None
+
+    def red(self, x: np.ndarray) -> np.ndarray:
+        """Per-run sums of a per-token array (float64)."""
+        return np.add.reduceat(x, self.starts, dtype=np.float64)
+
+    def add(self, target: np.ndarray, per_run: np.ndarray) -> None:
+        """Add per-run values to a per-sequence accumulator."""
+        if self.unique:
+            target[self.run_seq] += per_run
+        else:
+            np.add.at(target, self.run_seq, per_run)
+
+    def add_max(self, target: np.ndarray, per_run: np.ndarray) -> None:
+        np.maximum.at(target, self.run_seq, per_run)
+
+    def per_step(self, target: np.ndarray, per_run: np.ndarray, run_step=None) -> None:
+        """Add per-run values to a per-step accumulator."""
+        rs = self.run_step if run_step is None else run_step
+        width = self.s_hi - self.s_lo + 1
+        target[self.s_lo:self.s_hi + 1] += np.bincount(rs - self.s_lo, weights=per_run, minlength=width)
+
+    def step_spans(self):
+        """(step, first row, end row) of each span of consecutive rows of one step."""
+        change = np.flatnonzero(self.run_step[1:] != self.run_step[:-1]) + 1
+        firsts = np.concatenate(([0], change))
+        bounds = np.append(self.starts[firsts], self.n)
+        return [(int(self.run_step[f]), int(bounds[j]), int(bounds[j + 1])) for j, f in enumerate(firsts)]
+
+    @property
+    def run_index(self) -> np.ndarray:
+        """Run of each token."""
+        return np.repeat(np.arange(len(self.starts)), self.lens)
+
+    @property
+    def seq_idx(self) -> np.ndarray:
+        """Sequence row of each token (computed on demand: the slow paths need it)."""
+        if self._seq_idx is None:
+            self._seq_idx = np.repeat(self.run_seq, self.lens)
+        return self._seq_idx
 
 
 class _Pass:
-    """State of the streaming pass."""
+    """State of the streaming pass: per-sequence and per-step sums, histograms and bins, added chunk by chunk."""
 
     def __init__(self, log: RolloutLog, nan: str, pair: str, hyper: dict | None, names, chunk_rows: int):
         self.log, self.nan, self.chunk_rows = log, nan, int(chunk_rows)
@@ -100,17 +155,15 @@ class _Pass:
         self.index = _SeqIndex(self.seq)
         n = len(self.seq)
         cols = log.logp_columns
-        self.pairs = [p for p in ("mismatch", "update", "total") if all(c in cols for c in PAIRS[p])]
+        self.pairs = pairs_of(cols)
         if not self.pairs:
             raise LabError(f"{log.path}: no pair of log-prob columns to compare (has {', '.join(cols)})")
         self.corrections = resolve(self.pairs, names, pair, hyper)
         # steps: (run, step) groups in order of first appearance in the sequences table
-        groups = self.seq[["run", "step"]].drop_duplicates().reset_index(drop=True)
-        self.step_groups = groups
-        gkey = {(r, s): i for i, (r, s) in enumerate(zip(groups["run"], groups["step"]))}
-        self.seq_step = np.fromiter((gkey[(r, s)] for r, s in zip(self.seq["run"], self.seq["step"])),
-                                    dtype=np.int64, count=n)
-        S = len(groups)
+        grouped = self.seq.groupby(["run", "step"], sort=False)
+        self.seq_step = grouped.ngroup().to_numpy(np.int64)
+        self.step_groups = self.seq[["run", "step"]].drop_duplicates().reset_index(drop=True)
+        S = len(self.step_groups)
         self.S = S
         f64 = lambda *shape: np.zeros(shape, np.float64)  # noqa: E731
         self.n_rows, self.n_masked, self.n_valid = f64(n), f64(n), f64(n)
@@ -129,185 +182,280 @@ class _Pass:
         self.tok_corr = {c.name: {"tot": f64(5), "seq_changed": f64(n), "seq_w": f64(n), "seq_removed": f64(n),
                                   "seq_added": f64(n)} for c in self.corrections if c.level == "token"}
         self.bad = {c: 0 for c in cols}
-        self.first_bad = None  # (row, column)
+        self.first_bad = None  # (row, column, sequence row, position, what)
         self.seq_adv = self.seq["advantage"].to_numpy(np.float64)
         self.seq_tv = self.seq["trainer_version"].to_numpy(np.float64)
         vmin, vmax = self.seq["version_min"].to_numpy(np.float64), self.seq["version_max"].to_numpy(np.float64)
         self.seq_ver = np.where(vmin == vmax, vmin, np.nan)  # a token's version when its row has none
         self.adv_source = set()
+        self.dash = dashboards.Accumulator(n, S) if "mismatch" in self.pairs else None
         self.dtype = np.float32 if log.meta["logp_dtype"] == "float32" else np.float64
+        self.ref = "sampler_logp" if "sampler_logp" in cols else "old_logp"
+        p_edges = P_EDGES[1:-1]  # p_bin = number of inner edges <= p (searchsorted's bins, as comparisons)
+        self._inner_edges = p_edges
+        self._low_bin = int(np.searchsorted(p_edges, LOW_P, side="right"))  # p < LOW_P <=> p_bin < this
 
     # ------------------------------------------------------------------------------------------------ per chunk
     def chunk(self, offset: int, c: dict) -> None:
-        """Add one chunk of token rows (``offset``: the first row's number) to every accumulator. A run is a span of
-        consecutive rows of one sequence; per-sequence sums are np.add.reduceat over the runs."""
-        step, sid, starts, run_seq, seq_idx = self._locate_runs(offset, c)
-        if starts is None:
+        """Add one chunk of token rows (``offset``: the first row's number) to every accumulator. Per-sequence sums
+        are np.add.reduceat over the chunk's runs; per-step sums add the runs' sums by step."""
+        k = self._locate_runs(offset, c)
+        if k is None:
             return
-        pos = c["position"].astype(np.int64)
-        self._check_positions(offset, pos, seq_idx, step, sid)
-        _add_at(self.pos_sum, run_seq, np.add.reduceat(pos.astype(np.float64), starts))
-        mask = c["loss_mask"].astype(bool)
-        _add_at(self.n_masked, run_seq, np.add.reduceat(mask.astype(np.float64), starts))
-        bad_any = self._count_bad(offset, c, mask, seq_idx, pos, run_seq, starts)
+        k.add(self.n_rows, k.lens.astype(np.float64))
+        pos = c["position"]
+        self._check_positions(offset, pos, k, c)
+        k.add(self.pos_sum, k.red(pos))
+        mask = c["loss_mask"].astype(bool, copy=False)
+        n_masked = k.red(mask)
+        k.add(self.n_masked, n_masked)
+        bad_any = self._count_bad(offset, c, mask, pos, k)
         if self.nan == "error" and self.first_bad is not None:
             return  # the pass will fail: only keep counting
-        valid = mask & ~bad_any
-        _add_at(self.n_valid, run_seq, np.add.reduceat(valid.astype(np.float64), starts))
-        adv, a_w = self._advantages(c, seq_idx, valid, run_seq, starts)
-        deltas = self._add_pairs(c, seq_idx, valid, run_seq, starts)
-        self._add_token_corrections(deltas, adv, a_w, valid, run_seq, starts)
+        valid = mask if bad_any is None else mask & ~bad_any
+        k.n_val = n_masked if bad_any is None else k.red(valid)
+        k.add(self.n_valid, k.n_val)
+        k.valid = valid
+        k.n_inv = k.lens - k.n_val  # rows that are not valid tokens, per run
+        k.invalid = None if not k.n_inv.any() else ~valid
+        adv, a_w = self._advantages(c, k)
+        pb, low = self._probability_bins(c, k)
+        lag_run, lag_tok = self._lag_buckets(c, k)
+        w_pairs = {}
+        for p in self.pairs:
+            d = self._delta(c, p, k)
+            self._add_pair(p, d, k, pb, low, lag_run, lag_tok)
+            if p == "mismatch" or any(corr.pair == p and corr.level == "token" for corr in self.corrections):
+                with np.errstate(over="ignore"):
+                    w_pairs[p] = np.exp(np.clip(d, -LOG_W_BOUND, LOG_W_BOUND))
+            if p == "mismatch":
+                self.dash.add(d, w_pairs[p], c["old_logp"], c["sampler_logp"], k)
+        self._add_token_corrections(w_pairs, adv, a_w, k)
 
-    def _locate_runs(self, offset: int, c: dict):
-        """(step, sample_id, run starts, sequence row per run, sequence row per token); starts None for an empty
-        chunk. Counts each sequence's rows; LabError for a (run, step, sample_id) not in the sequences table."""
-        run_map = np.array([self.index.runs.get(v, -1) for v in c["run_values"]], dtype=np.int64)
-        rc = run_map[c["run"]] if len(run_map) else c["run"]
-        step, sid = c["step"].astype(np.int64), c["sample_id"].astype(np.int64)
+    def _locate_runs(self, offset: int, c: dict) -> _Chunk | None:
+        """The chunk's runs (None for an empty chunk); LabError for a (run, step, sample_id) not in the sequences
+        table."""
+        step, sid = c["step"], c["sample_id"]
         n = len(step)
         if n == 0:
-            return step, sid, None, None, None
-        brk = np.flatnonzero((rc[1:] != rc[:-1]) | (step[1:] != step[:-1]) | (sid[1:] != sid[:-1])) + 1
-        starts = np.concatenate(([0], brk))
-        lens = np.diff(np.concatenate((starts, [n])))
-        run_seq = self.index.lookup(rc[starts], step[starts], sid[starts])
+            return None
+        run_map = np.array([self.index.runs.get(v, -1) for v in c["run_values"]], dtype=np.int64)
+        edge = (step[1:] != step[:-1]) | (sid[1:] != sid[:-1])
+        if len(run_map) > 1:
+            edge |= c["run"][1:] != c["run"][:-1]
+        starts = np.concatenate(([0], np.flatnonzero(edge) + 1))
+        lens = np.diff(np.append(starts, n))
+        rc = run_map[c["run"][starts]] if len(run_map) else np.full(len(starts), -1)
+        s0, i0 = step[starts].astype(np.int64), sid[starts].astype(np.int64)
+        run_seq = self.index.lookup(rc, s0, i0)
         if (run_seq < 0).any():
             j = int(np.flatnonzero(run_seq < 0)[0])
             r = starts[j]
             run_name = c["run_values"][c["run"][r]] if len(c["run_values"]) else ""
-            raise LabError(f"{self.log.tokens_file}: row {offset + r}: (run {run_name!r}, step {step[r]}, sample_id "
-                           f"{sid[r]}) has no row in {self.log.sequences_file.name}")
-        _add_at(self.n_rows, run_seq, lens.astype(np.float64))
-        return step, sid, starts, run_seq, np.repeat(run_seq, lens)
+            raise LabError(f"{self.log.tokens_file}: row {offset + r}: (run {run_name!r}, step {s0[j]}, sample_id "
+                           f"{i0[j]}) has no row in {self.log.sequences_file.name}")
+        return _Chunk(starts, lens, run_seq, self.seq_step[run_seq])
 
-    def _check_positions(self, offset: int, pos, seq_idx, step, sid) -> None:
+    def _check_positions(self, offset: int, pos, k: _Chunk, c: dict) -> None:
         """LabError for a position outside 0..response_length - 1 of its sequence."""
-        out = (pos < 0) | (pos >= self.resp_len[seq_idx])
-        if out.any():
-            r = int(np.argmax(out))
-            raise LabError(f"{self.log.tokens_file}: row {offset + r}: position {pos[r]} is outside 0..response_length - 1 "
-                           f"= {self.resp_len[seq_idx[r]] - 1} of (step {step[r]}, sample_id {sid[r]})")
+        limit = self.resp_len[k.run_seq]
+        if (np.minimum.reduceat(pos, k.starts) >= 0).all() and (np.maximum.reduceat(pos, k.starts) < limit).all():
+            return
+        out = (pos < 0) | (pos >= self.resp_len[k.seq_idx])
+        r = int(np.argmax(out))
+        raise LabError(f"{self.log.tokens_file}: row {offset + r}: position {pos[r]} is outside 0..response_length - 1 "
+                       f"= {self.resp_len[k.seq_idx[r]] - 1} of (step {c['step'][r]}, sample_id {c['sample_id'][r]})")
 
-    def _count_bad(self, offset: int, c: dict, mask, seq_idx, pos, run_seq, starts) -> np.ndarray:
-        """Loss-masked tokens with a missing or NaN log-prob in any column: counted per column and per sequence, the
-        first one remembered; returns the mask of such tokens."""
-        n = len(mask)
-        bad_any = np.zeros(n, bool)
+    def _count_bad(self, offset: int, c: dict, mask, pos, k: _Chunk) -> np.ndarray | None:
+        """Loss-masked tokens with a missing, NaN or infinite log-prob in any column: counted per column and per
+        sequence, the first one remembered; returns the mask of such tokens (None when there is none). A
+        log-prob above LOGP_MAX (a probability above 1) stops the pass at once, whatever ``nan``."""
+        bad_any = None
         for col in self.log.logp_columns:
-            bad = mask & ~np.isfinite(c[col])
-            k = int(bad.sum())
-            if k:
-                self.bad[col] += k
-                row = offset + int(np.argmax(bad))
-                if self.first_bad is None or row < self.first_bad[0]:
-                    j = int(np.argmax(bad))
-                    self.first_bad = (row, col, int(seq_idx[j]), int(pos[j]))
-                bad_any |= bad
-        if bad_any.any():
-            _add_at(self.n_bad_seq, run_seq, np.add.reduceat(bad_any.astype(np.float64), starts))
+            x = c[col]
+            if np.isfinite(x.min()) and x.max() <= LOGP_MAX:  # every row finite and at most LOGP_MAX
+                continue
+            with np.errstate(invalid="ignore"):
+                high = mask & (x > LOGP_MAX)
+            if high.any():
+                j = int(np.argmax(high))
+                raise LabError(f"{self._where(offset + j, int(k.seq_idx[j]), int(pos[j]))}: {col} is "
+                               f"{float(x[j]):.6g}, a log-probability above 0 (probability "
+                               f"{'above 1' if x[j] < 700 else 'infinite'}); the log holds something else than "
+                               f"log-probs (logits? probabilities?)")
+            bad = mask & ~np.isfinite(x)
+            n_bad = int(bad.sum())
+            if n_bad:
+                self.bad[col] += n_bad
+                j = int(np.argmax(bad))
+                if self.first_bad is None or offset + j < self.first_bad[0]:
+                    what = "missing or NaN" if np.isnan(x[j]) else "+inf" if x[j] > 0 else \
+                        "-inf (probability 0 for a sampled token)"
+                    self.first_bad = (offset + j, col, int(k.seq_idx[j]), int(pos[j]), what)
+                bad_any = bad if bad_any is None else bad_any | bad
+        if bad_any is not None:
+            k.add(self.n_bad_seq, k.red(bad_any))
         return bad_any
 
-    def _advantages(self, c: dict, seq_idx, valid, run_seq, starts):
-        """(advantage, |advantage| on valid tokens): the token's, else the sequence's, else 1 (unweighted); adds
-        sum |A| and sum A per sequence and records which sources were used."""
-        n = len(valid)
+    def _where(self, row: int, si: int, pos: int) -> str:
+        """Where a token is: its dump's origin and position, else the tokens file's row."""
+        r = self.seq.iloc[si]
+        if _has_origin(r):
+            return f"{r['origin']}: token {pos} of step {r['step']}"
+        return f"{self.log.tokens_file}: row {row}: step {r['step']}, sample_id {r['sample_id']}"
+
+    def _advantages(self, c: dict, k: _Chunk):
+        """(advantage, |advantage| on valid tokens, 0 elsewhere): the token's, else the sequence's, else 1
+        (unweighted); adds sum |A| and sum A per sequence and records which sources were used."""
         adv = c.get("advantage")
-        adv = np.full(n, np.nan) if adv is None else adv.astype(np.float64)
-        miss = ~np.isfinite(adv)
-        if (~miss).any():
+        if adv is not None:  # writable: the corrections' coefficients see it as a tensor
+            adv = adv.astype(np.float64, copy=not adv.flags.writeable)
+        miss = None if adv is not None and np.isfinite(adv).all() else \
+            (np.ones(k.n, bool) if adv is None else ~np.isfinite(adv))
+        if miss is None or not miss.all():
             self.adv_source.add("token")
-        if miss.any():
-            adv = np.where(miss, self.seq_adv[seq_idx], adv)
-            if np.isfinite(self.seq_adv[seq_idx][miss]).any():
+        if miss is not None:
+            seq_adv = self.seq_adv[k.seq_idx]
+            adv = seq_adv.copy() if adv is None else np.where(miss, seq_adv, adv)
+            if np.isfinite(seq_adv[miss]).any():
                 self.adv_source.add("sequence")
             miss = ~np.isfinite(adv)
-            if (miss & valid).any():
+            if (miss & k.valid).any():
                 self.adv_source.add("none")
-            adv = np.where(miss, 1.0, adv)
-        a_w = np.where(valid, np.abs(adv), 0.0)
-        _add_at(self.a_abs, run_seq, np.add.reduceat(a_w, starts))
-        _add_at(self.a_sum, run_seq, np.add.reduceat(np.where(valid, adv, 0.0), starts))
+            adv[miss] = 1.0
+        a_w = np.abs(adv)
+        signed = adv
+        if k.invalid is not None:
+            a_w[k.invalid] = 0.0
+            signed = np.where(k.valid, adv, 0.0)
+        k.add(self.a_abs, k.red(a_w))
+        k.add(self.a_sum, k.red(signed))
         return adv, a_w
 
-    def _lag_buckets(self, c: dict, seq_idx) -> np.ndarray:
-        """Lag bucket per token of lag = trainer_version - version (the row's, else its sequence's single version):
-        min(lag, MAX_LAG), MAX_LAG + 1 when negative, MAX_LAG + 2 when unknown."""
-        n = len(seq_idx)
-        version = c.get("version")
-        version = np.full(n, np.nan) if version is None else version.astype(np.float64)
-        version = np.where(np.isfinite(version), version, self.seq_ver[seq_idx])
-        lag = self.seq_tv[seq_idx] - version
-        known = np.isfinite(lag)
-        lag_b = np.full(n, MAX_LAG + 2, np.int64)
-        lag_b[known & (lag < 0)] = MAX_LAG + 1
-        ok = known & (lag >= 0)
-        lag_b[ok] = np.minimum(lag[ok], MAX_LAG).astype(np.int64)
-        return lag_b
+    def _probability_bins(self, c: dict, k: _Chunk):
+        """(p bin of each token's reference probability p = e^(log mu) (1 on rows that are not valid tokens),
+        float mask of valid tokens with p < LOW_P); counts the valid tokens per bin."""
+        ref = c[self.ref].astype(np.float64)
+        if k.invalid is not None:
+            ref[k.invalid] = 0.0
+        p = np.exp(ref, out=ref)
+        pb = np.zeros(k.n, np.int8)
+        for e in self._inner_edges:
+            pb += p >= e
+        pb = pb.astype(np.intp)
+        counts = np.bincount(pb, minlength=len(P_EDGES) - 1)
+        counts[-1] -= int(k.n - k.n_val.sum())  # rows that are not valid tokens sit in the last bin (p = 1)
+        for p_ in self.pairs:  # every pair counts the same tokens
+            self.pbin[p_]["n"] += counts
+        low = (pb < self._low_bin).astype(np.float64)
+        return pb, low
 
-    def _add_pairs(self, c: dict, seq_idx, valid, run_seq, starts) -> dict:
-        """delta_t = a_t - b_t per pair (in the log's dtype, widened to float64; 0 off valid tokens), added to the
-        per-sequence, per-step, per-probability-bin and per-lag accumulators; returns {pair: delta}."""
-        step_tok = self.seq_step[seq_idx]
-        s_lo, s_hi = int(step_tok.min()), int(step_tok.max())
-        ref = c["sampler_logp"] if "sampler_logp" in self.log.logp_columns else c["old_logp"]
-        p_tok = np.exp(np.where(valid, ref.astype(np.float64), 0.0))
-        pb = np.clip(np.searchsorted(P_EDGES, p_tok, side="right") - 1, 0, len(P_EDGES) - 2)
-        low = valid & (p_tok < LOW_P)
-        lag_b = self._lag_buckets(c, seq_idx)
-        vstep = step_tok[valid] - s_lo
-        deltas = {}
-        for p in self.pairs:
-            a_col, b_col = PAIRS[p]
-            d = (c[a_col].astype(self.dtype, copy=False) - c[b_col].astype(self.dtype, copy=False)).astype(np.float64)
-            d = np.where(valid, d, 0.0)
-            deltas[p] = d
-            ad = np.abs(d)
-            _add_at(self.L[p], run_seq, np.add.reduceat(d, starts))
-            _add_at(self.S_abs[p], run_seq, np.add.reduceat(ad, starts))
-            _add_at(self.S_low[p], run_seq, np.add.reduceat(np.where(low, ad, 0.0), starts))
-            dv = d[valid]
-            self._add_step_moments(p, dv, vstep, s_lo, s_hi)
-            np.maximum.at(self.mom[p]["max"], self.seq_step[run_seq], np.maximum.reduceat(ad, starts))
-            self._add_bins(self.pbin[p], pb[valid], dv, ("n", "sum", "abs", "sum2"), len(P_EDGES) - 1)
-            self._add_bins(self.lag[p], lag_b[valid], dv, ("n", "abs", "sum"), MAX_LAG + 3)
-        return deltas
+    def _lag_buckets(self, c: dict, k: _Chunk):
+        """Lag bucket of lag = trainer_version - version (the row's, else its sequence's single version):
+        min(lag, MAX_LAG), MAX_LAG + 1 when negative, MAX_LAG + 2 when unknown. Returns (bucket per run, -1 for
+        a run whose rows have different versions; (rows, bucket per row) of those runs, or None)."""
+        seq_v = self.seq_ver[k.run_seq]
+        v = c.get("version")
+        if v is not None and v.dtype.kind == "f" and np.isnan(v).all():
+            v = None
+        if v is None:
+            run_v, mixed = seq_v, np.zeros(len(seq_v), bool)
+        else:
+            v = v.astype(np.float64, copy=False)
+            if np.isnan(v).any():
+                v = np.where(np.isnan(v), self.seq_ver[k.seq_idx], v)
+            run_v = np.minimum.reduceat(v, k.starts)
+            mixed = run_v != np.maximum.reduceat(v, k.starts)  # also where a version is unknown (NaN)
+            mixed &= ~(np.isnan(run_v) & np.isnan(seq_v))
+        buckets = _lag_bucket(self.seq_tv[k.run_seq] - run_v)
+        if not mixed.any():
+            return buckets, None
+        buckets[mixed] = -1
+        rows = np.repeat(mixed, k.lens)
+        return buckets, (rows, _lag_bucket(self.seq_tv[k.seq_idx[rows]] - v[rows]))
 
-    def _add_step_moments(self, p: str, dv, vstep, s_lo: int, s_hi: int) -> None:
-        """Per step (steps s_lo..s_hi of this chunk): histogram of delta and n, sum delta, sum delta^2, sum |delta|,
-        sum e^delta - 1 - delta."""
-        width = s_hi - s_lo + 1
-        b = H.bin_index(dv)
-        self.hist[p][s_lo:s_hi + 1] += np.bincount(vstep * H.NBINS + b, minlength=width * H.NBINS
-                                                   ).reshape(width, H.NBINS)
-        m = self.mom[p]
-        m["n"][s_lo:s_hi + 1] += np.bincount(vstep, minlength=width)
-        m["sum"][s_lo:s_hi + 1] += np.bincount(vstep, weights=dv, minlength=width)
-        m["sum2"][s_lo:s_hi + 1] += np.bincount(vstep, weights=dv * dv, minlength=width)
-        m["abs"][s_lo:s_hi + 1] += np.bincount(vstep, weights=np.abs(dv), minlength=width)
+    def _delta(self, c: dict, p: str, k: _Chunk) -> np.ndarray:
+        """delta_t = a_t - b_t of pair ``p`` in the log's dtype, widened to float64; 0 on rows that are not valid."""
+        a_col, b_col = PAIRS[p]
+        d = np.subtract(c[a_col], c[b_col], dtype=self.dtype).astype(np.float64)
+        if k.invalid is not None:
+            d[k.invalid] = 0.0
+        return d
+
+    def _add_pair(self, p: str, d: np.ndarray, k: _Chunk, pb, low, lag_run, lag_tok) -> None:
+        """Add pair ``p``'s delta to the per-sequence sums (L, sum |delta|, sum |delta| on low-p tokens), the
+        per-step moments and histogram, the probability bins and the lag buckets."""
+        ad = np.abs(d)
+        L, S_abs = k.red(d), k.red(ad)
+        k.add(self.L[p], L)
+        k.add(self.S_abs[p], S_abs)
+        k.add(self.S_low[p], k.red(ad * low))
+        d2 = d * d
         with np.errstate(over="ignore", invalid="ignore"):
-            m["k3"][s_lo:s_hi + 1] += np.bincount(vstep, weights=np.expm1(dv) - dv, minlength=width)
+            k3 = np.expm1(d) - d
+        m = self.mom[p]
+        for key, per_run in (("n", k.n_val), ("sum", L), ("abs", S_abs), ("sum2", k.red(d2)), ("k3", k.red(k3))):
+            k.per_step(m[key], per_run)
+        np.maximum.at(m["max"], k.run_step, np.maximum.reduceat(ad, k.starts))
+        self._add_histogram(self.hist[p], d, k)
+        q = self.pbin[p]
+        q["sum"] += np.bincount(pb, weights=d, minlength=len(q["sum"]))
+        q["abs"] += np.bincount(pb, weights=ad, minlength=len(q["abs"]))
+        q["sum2"] += np.bincount(pb, weights=d2, minlength=len(q["sum2"]))
+        g, nb = self.lag[p], MAX_LAG + 3
+        ok = lag_run >= 0
+        for key, per_run in (("n", k.n_val), ("abs", S_abs), ("sum", L)):
+            g[key] += np.bincount(lag_run[ok], weights=per_run[ok], minlength=nb)
+        if lag_tok is not None:
+            rows, b = lag_tok
+            v = k.valid[rows]
+            g["n"] += np.bincount(b, weights=v, minlength=nb)
+            g["abs"] += np.bincount(b, weights=ad[rows], minlength=nb)
+            g["sum"] += np.bincount(b, weights=d[rows], minlength=nb)
 
     @staticmethod
-    def _add_bins(acc: dict, bins, dv, keys, nbins: int) -> None:
-        """Per bin, of the valid tokens' delta: n, sum delta, sum |delta| and sum delta^2 (those of ``keys``)."""
-        for k in keys:
-            w = None if k == "n" else dv if k == "sum" else np.abs(dv) if k == "abs" else dv * dv
-            acc[k] += np.bincount(bins, weights=w, minlength=nbins)
+    def _add_histogram(hist: np.ndarray, d: np.ndarray, k: _Chunk) -> None:
+        """Histogram of the valid tokens' delta per step (rows that are not valid have delta 0: they are taken
+        back out of the central bin)."""
+        b = H.bin_index(d)
+        for s, lo, hi in k.step_spans():
+            hist[s] += np.bincount(b[lo:hi], minlength=H.NBINS)
+        if k.invalid is not None:
+            width = k.s_hi - k.s_lo + 1
+            hist[k.s_lo:k.s_hi + 1, H.ZERO] -= np.bincount(k.run_step - k.s_lo, weights=k.n_inv,
+                                                          minlength=width).astype(np.int64)
 
-    def _add_token_corrections(self, deltas: dict, adv, a_w, valid, run_seq, starts) -> None:
+    def _add_token_corrections(self, w_pairs: dict, adv, a_w, k: _Chunk) -> None:
         """Per token-level correction: tokens it changes or zeroes, and per sequence the weight it is applied to, the
-        weight it removes and the weight it adds (lab.diagnose.corrections.token_effect)."""
+        weight it removes and the weight it adds (lab.diagnose.corrections.token_effect), computed on the valid
+        tokens whose coefficient differs from their weight (all others add nothing), or on every token when those
+        are many."""
+        seq_w, n_val = {}, float(k.n_val.sum())
         for corr in self.corrections:
             if corr.level != "token":
                 continue
-            changed, zeroed, w, removed, added = token_effect(corr, deltas[corr.pair], adv, a_w)
-            changed &= valid
-            zeroed &= valid
+            w = w_pairs[corr.pair]
+            c = corr.coefficient(w, adv)
+            moved = np.flatnonzero(c != w)
+            if k.invalid is not None:
+                moved = moved[k.valid[moved]]
+            if len(moved) > k.n // 8:
+                changed, zeroed, removed, added = token_effect(c, w, a_w)
+                if k.invalid is not None:
+                    changed &= k.valid
+                    zeroed &= k.valid
+                per_run = k.red
+            else:
+                changed, zeroed, removed, added = token_effect(c[moved], w[moved], a_w[moved])
+                run = k.run_index[moved]
+                per_run = lambda x: np.bincount(run, weights=x, minlength=len(k.starts))  # noqa: E731
+            if corr.pair not in seq_w:
+                seq_w[corr.pair] = k.red(a_w * w)
             acc = self.tok_corr[corr.name]
-            acc["tot"] += [valid.sum(), changed.sum(), zeroed.sum(), 0.0, 0.0]
-            for key, arr in (("seq_changed", changed.astype(np.float64)), ("seq_w", np.where(valid, w, 0.0)),
-                             ("seq_removed", np.where(valid, removed, 0.0)), ("seq_added", np.where(valid, added, 0.0))):
-                _add_at(acc[key], run_seq, np.add.reduceat(arr, starts))
+            acc["tot"] += [n_val, np.count_nonzero(changed), np.count_nonzero(zeroed), 0.0, 0.0]
+            for key, values in (("seq_changed", per_run(changed)), ("seq_w", seq_w[corr.pair]),
+                                ("seq_removed", per_run(removed)), ("seq_added", per_run(added))):
+                k.add(acc[key], values)
 
     # ------------------------------------------------------------------------------------------------ checks
     def finish_checks(self) -> None:
@@ -329,15 +477,28 @@ class _Pass:
                            f"{r['step']}, sample_id {r['sample_id']}) are not 0..{int(n_len[i]) - 1}, each once")
         total_bad = sum(self.bad.values())
         if total_bad and self.nan == "error":
-            row, col, si, pos = self.first_bad
-            r = self.seq.iloc[si]
+            row, col, si, pos, what = self.first_bad
             counts = ", ".join(f"{k} {v}" for k, v in self.bad.items() if v)
             n_seq = int((self.n_bad_seq > 0).sum())
-            where = (f"{r['origin']}: token {pos} of step {r['step']}" if _has_origin(r)
-                     else f"{self.log.tokens_file}: row {row}: step {r['step']}, sample_id {r['sample_id']}")
-            raise LabError(f"{where}: {col} is missing or NaN on a loss-masked token; {total_bad} such tokens in "
-                           f"{n_seq} sequences ({counts}); fix the log or pass --nan drop to exclude them (counted in "
-                           f"the report)")
+            raise LabError(f"{self._where(row, si, pos)}: {col} is {what} on a loss-masked token; {total_bad} "
+                           f"such tokens in {n_seq} sequences ({counts}); fix the log or pass "
+                           f"--nan drop to exclude them (counted in the report)")
+        if not self.n_valid.sum():
+            what = (f"{len(self.seq)} sequences, none with a loss-masked token" if len(self.seq)
+                    else "no sequences")
+            dropped = f" ({total_bad} dropped by --nan drop)" if total_bad else ""
+            raise LabError(f"{self.log.path}: nothing to diagnose: {what}{dropped}; the log needs loss-masked tokens "
+                           f"with log-probs")
+
+
+def _lag_bucket(lag: np.ndarray) -> np.ndarray:
+    """min(lag, MAX_LAG) for lag >= 0, MAX_LAG + 1 when negative, MAX_LAG + 2 when unknown (NaN)."""
+    out = np.full(len(lag), MAX_LAG + 2, np.int64)
+    known = np.isfinite(lag)
+    out[known & (lag < 0)] = MAX_LAG + 1
+    ok = known & (lag >= 0)
+    out[ok] = np.minimum(lag[ok], MAX_LAG).astype(np.int64)
+    return out
 
 
 def _has_origin(row) -> bool:
@@ -345,7 +506,7 @@ def _has_origin(row) -> bool:
 
 
 def diagnose(log, *, nan: str = "error", pair: str = "natural", hyper: dict | None = None, corrections=CORRECTIONS,
-             chunk_rows: int = 1 << 18, progress: bool | None = None, seed: int = 0) -> Diagnostics:
+             chunk_rows: int = CHUNK_ROWS, progress: bool | None = None, seed: int = 0) -> Diagnostics:
     """Stream ``log`` (a RolloutLog or a path) once and compute every diagnostic. See the module docstring."""
     check_options(nan, pair, chunk_rows)
     log = log if isinstance(log, RolloutLog) else RolloutLog(log)
@@ -365,6 +526,8 @@ def check_options(nan: str = "error", pair: str = "natural", chunk_rows: int = 1
 
 @contextmanager
 def _torch_threads(n: int):
+    import torch
+
     old = torch.get_num_threads()
     torch.set_num_threads(n)
     try:
@@ -388,4 +551,5 @@ def _diagnose(log, nan, pair, hyper, corrections, chunk_rows, progress, seed) ->
     return build(st, seed=seed)
 
 
-__all__ = ["Diagnostics", "KHAT_WARN", "LOW_P", "PAIRS", "PAIR_TEXT", "P_EDGES", "check_options", "diagnose"]
+__all__ = ["CHUNK_ROWS", "Diagnostics", "KHAT_WARN", "LOW_P", "PAIRS", "PAIR_TEXT", "P_EDGES", "check_options",
+           "diagnose"]

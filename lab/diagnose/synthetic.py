@@ -83,30 +83,35 @@ def simulate(path, *, steps: int = 12, batch: int = 64, group_size: int = 8, voc
             reward = (rng.random(B) < 1 / (1 + np.exp(-(4 * frac_low - 2)))).astype(np.float32)
             r = reward.reshape(-1, G)
             adv = ((r - r.mean(1, keepdims=True)) / (r.std(1, ddof=1, keepdims=True) + 1e-6)).reshape(B)
-            log.add(step + 1, np.arange(B), tokens, mask, lp_s * mask, (lp_old * mask).astype(np.float32),
-                    None if lp_cur is None else (lp_cur * mask).astype(np.float32), gen, adv, reward,
-                    np.arange(B // G).repeat(G) + step * (B // G), entropy=entropy * mask, trainer_version=tv)
+            log.add(step + 1, np.arange(B), tokens, mask, sampler_logp=lp_s * mask,
+                    old_logp=(lp_old * mask).astype(np.float32),
+                    current_logp=None if lp_cur is None else (lp_cur * mask).astype(np.float32), version=gen,
+                    advantages=adv, rewards=reward, group_ids=np.arange(B // G).repeat(G) + step * (B // G),
+                    entropy=entropy * mask, trainer_version=tv)
             for v in [k for k in tables if k < tv - lag_max]:
                 del tables[v]
     return path
 
 
-def random_log(path, n_tokens: int, *, mean_len: int = 256, batch: int = 512, lag_max: int = 2, seed: int = 0,
-               row_group_rows: int = 1 << 20):
+def random_log(path, n_tokens: int, *, mean_len: int = 256, lengths: tuple[int, int] | None = None, batch: int = 512,
+               lag_max: int = 2, seed: int = 0, row_group_rows: int = 1 << 20):
     """Write about ``n_tokens`` token rows of independent synthetic columns (sampler, old and current log-probs,
-    versions, advantages, entropy) in batches of ``batch`` sequences; returns the path."""
+    versions, advantages, entropy) in batches of ``batch`` sequences; returns the path. Response lengths are
+    geometric with mean ``mean_len`` (clipped to 1..8 mean_len), or uniform on ``lengths = (lo, hi)`` inclusive."""
     rng = np.random.default_rng(seed)
     meta = make_meta("synthetic", {"sampler_logp": "random: log U^4", "old_logp": "sampler + noise growing as p falls",
                                    "current_logp": "old + N(0, 0.01^2)"}, temperature=1.0,
-                     notes=[f"lab.diagnose.synthetic.random_log(n_tokens={n_tokens}, mean_len={mean_len}, seed={seed})"])
+                     notes=[f"lab.diagnose.synthetic.random_log(n_tokens={n_tokens}, "
+                            f"{f'lengths={tuple(lengths)}' if lengths else f'mean_len={mean_len}'}, seed={seed})"])
     written, step = 0, 0
     with NeutralLogWriter(path, meta, row_group_rows=row_group_rows) as w:
         while written < n_tokens:
             step += 1
-            lengths = np.clip(rng.geometric(1 / mean_len, size=batch), 1, 8 * mean_len)
-            n = int(lengths.sum())
-            sid = np.repeat(np.arange(batch), lengths)
-            pos = np.arange(n) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+            lens = (rng.integers(lengths[0], lengths[1] + 1, size=batch) if lengths
+                    else np.clip(rng.geometric(1 / mean_len, size=batch), 1, 8 * mean_len))
+            n = int(lens.sum())
+            sid = np.repeat(np.arange(batch), lens)
+            pos = np.arange(n) - np.repeat(np.cumsum(lens) - lens, lens)
             p = rng.random(n) ** 4 + 1e-9
             s = np.log(p).astype(np.float32)
             old = np.minimum(s + rng.standard_normal(n).astype(np.float32) * (0.002 + 0.05 * (1 - p)).astype(np.float32), 0)
@@ -116,10 +121,10 @@ def random_log(path, n_tokens: int, *, mean_len: int = 256, batch: int = 512, la
             w.write_tokens({"run": "", "step": step, "sample_id": sid, "position": pos,
                             "token_id": rng.integers(0, 32000, size=n), "loss_mask": rng.random(n) < 0.97,
                             "sampler_logp": s, "old_logp": old, "current_logp": cur,
-                            "version": np.repeat(step - 1 - lag, lengths), "advantage": np.repeat(adv, lengths),
+                            "version": np.repeat(step - 1 - lag, lens), "advantage": np.repeat(adv, lens),
                             "entropy": rng.gamma(2.0, 0.5, size=n)})
             w.write_sequences({"run": "", "step": step, "sample_id": np.arange(batch), "group_id": np.arange(batch) // 8,
-                               "reward": (adv > 0).astype(float), "advantage": adv, "response_length": lengths,
+                               "reward": (adv > 0).astype(float), "advantage": adv, "response_length": lens,
                                "version_min": step - 1 - lag, "version_max": step - 1 - lag,
                                "trainer_version": np.full(batch, step - 1)})
             written += n

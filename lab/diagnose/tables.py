@@ -14,7 +14,7 @@ import pandas as pd
 import torch
 
 from lab import diagnostics as wd
-from lab.diagnose import histogram as H
+from lab.diagnose import dashboards, histogram as H
 from lab.diagnose.corrections import sequence_weight
 from lab.diagnose.streaming import KHAT_WARN, LOW_P, MAX_LAG, P_EDGES, PAIR_TEXT, QS, Diagnostics
 from lab.diagnose.fits import median_interval, ols, ratio_intervals
@@ -100,6 +100,7 @@ def build(st, seed: int = 0) -> Diagnostics:
     tables["staleness"], summary["staleness"] = _staleness_table(st, usable)
     tables["corrections"], summary["corrections"] = _corrections_table(st, seq_corr, ci)
     tables["histograms"] = _histogram_table(st)
+    tables["dashboards"] = dashboards.table(st)
     summary.update(_run_summary(st))
     summary["verdict"] = verdict(summary)
     summary["headline"] = summary["verdict"][0] if summary["verdict"] else ""
@@ -323,17 +324,19 @@ def _correction_shares(st, c, seq_corr: dict) -> tuple:
 def _histogram_table(st) -> pd.DataFrame:
     """Non-empty histogram bins per pair, overall (run and step null) and per step."""
     lo, hi = H.bin_edges()
-    groups = st.step_groups
-    rows = []
+    runs = st.step_groups["run"].to_numpy(object)
+    steps = st.step_groups["step"].to_numpy(np.int64)
+    parts = []
     for p in st.pairs:
-        for s in [-1, *range(st.S)]:
-            counts = st.hist[p].sum(0) if s < 0 else st.hist[p][s]
-            nz = np.flatnonzero(counts)
-            rows.append(pd.DataFrame({"pair": p, "run": None if s < 0 else groups["run"][s],
-                                      "step": pd.array([pd.NA if s < 0 else int(groups["step"][s])] * nz.size,
-                                                       dtype="Int64"),
-                                      "bin": nz, "bin_lo": lo[nz], "bin_hi": hi[nz], "count": counts[nz]}))
-    return pd.concat(rows, ignore_index=True) if rows else pd.DataFrame()
+        counts = np.concatenate([st.hist[p].sum(0, keepdims=True), st.hist[p]])  # row 0: overall, row s + 1: step s
+        row, nz = np.nonzero(counts)
+        per_step = row > 0
+        step = pd.array(np.where(per_step, steps[row - 1], 0), dtype="Int64")
+        step[~per_step] = pd.NA
+        parts.append(pd.DataFrame({"pair": p, "run": pd.Series(np.where(per_step, runs[row - 1], None), dtype=object),
+                                   "step": step,
+                                   "bin": nz, "bin_lo": lo[nz], "bin_hi": hi[nz], "count": counts[row, nz]}))
+    return pd.concat(parts, ignore_index=True) if parts else pd.DataFrame()
 
 
 def _run_summary(st) -> dict:
@@ -366,31 +369,39 @@ TIDY_COLUMNS = ["section", "pair", "run", "step", "name", "lag", "p_lo", "p_hi",
 
 def tidy(tables: dict) -> pd.DataFrame:
     """One long table of every number: section, its keys (pair, run, step, name, lag, p or length bin), metric,
-    value and the 95 % interval (lo, hi) where the report computes one."""
+    value and the 95 % interval (lo, hi) where the report computes one; per section, metric by metric."""
     bounds = {c for pair in INTERVALS.values() for c in pair}
-    parts = []
+    key_cols = TIDY_COLUMNS[1:-4]
+    cols = {c: [] for c in TIDY_COLUMNS}
     for section, keys in SECTION_KEYS.items():
         df = tables.get(section)
         if df is None or df.empty:
             continue
         metrics = [c for c in df.columns if c not in keys and c not in bounds
                    and pd.api.types.is_numeric_dtype(df[c]) and not pd.api.types.is_bool_dtype(df[c])]
-        long = df.melt(id_vars=keys, value_vars=metrics, var_name="metric", value_name="value")
+        n = len(df) * len(metrics)
+        cols["section"].append(np.full(n, section, object))
+        for c in key_cols:
+            cols[c].append(np.tile(df[c].to_numpy(object), len(metrics)) if c in keys else np.full(n, None, object))
+        cols["metric"].append(np.repeat(np.array(metrics, object), len(df)))
+        cols["value"].append(_floats(df, metrics))
         for j, side in enumerate(("lo", "hi")):
-            cols = {m: (df[INTERVALS[m][j]] if m in INTERVALS and INTERVALS[m][j] in df else pd.Series(np.nan, index=df.index))
-                    for m in metrics}
-            long[side] = pd.DataFrame(cols).melt(value_vars=metrics)["value"].to_numpy(dtype=float)
-        long.insert(0, "section", section)
-        parts.append(long)
-    if not parts:
+            cols[side].append(_floats(df, [INTERVALS[m][j] if m in INTERVALS and INTERVALS[m][j] in df else None
+                                           for m in metrics]))
+    if not cols["section"]:
         return pd.DataFrame(columns=TIDY_COLUMNS)
-    out = pd.concat(parts, ignore_index=True)
-    for col in TIDY_COLUMNS:
-        if col not in out:
-            out[col] = None if col in ("pair", "run", "name") else np.nan
-    out["value"] = out["value"].astype(float)
-    out["step"] = pd.array(pd.to_numeric(out["step"]), dtype="Int64")
-    out["lag"] = pd.array(pd.to_numeric(out["lag"]), dtype="Int64")
+    out = pd.DataFrame({c: pd.Series(np.concatenate(v), dtype=str if c in ("section", "metric") else None)
+                        for c, v in cols.items()})
+    for col in ("step", "lag"):
+        out[col] = pd.array(pd.to_numeric(out[col]), dtype="Int64")
+    for col in ("p_lo", "p_hi", "len_lo", "len_hi"):
+        out[col] = pd.to_numeric(out[col]).astype(float)
     for col in ("pair", "run", "name"):
         out[col] = out[col].astype(object).where(out[col].notna(), None)
-    return out[TIDY_COLUMNS]
+    return out
+
+
+def _floats(df: pd.DataFrame, columns: list) -> np.ndarray:
+    """The columns (None: all NaN) one after the other, as float64."""
+    return np.concatenate([np.full(len(df), np.nan) if c is None else
+                           df[c].to_numpy(dtype=float, na_value=np.nan) for c in columns])

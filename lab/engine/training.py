@@ -634,8 +634,9 @@ class _Run:
         if self.log is not None:  # the mini-batch as the neutral rollout log holds it (lab.diagnose)
             B, G, mb = self.cfg.rollout_batch, self.cfg.group_size, sl.stop - sl.start
             self.log.add(self.version, torch.arange(sl.start, sl.stop) + r * B, ro.tokens[sl], ro.mask[sl],
-                         ro.lp_mu[sl], ro.lp_old[sl], lp_pi, ro.gen_version[sl], ro.advantages[sl], ro.rewards[sl],
-                         (torch.arange(B) // G)[sl] + r * (B // G), trainer_version=self.version - 1)
+                         sampler_logp=ro.lp_mu[sl], old_logp=ro.lp_old[sl], current_logp=lp_pi,
+                         version=ro.gen_version[sl], advantages=ro.advantages[sl], rewards=ro.rewards[sl],
+                         group_ids=(torch.arange(B) // G)[sl] + r * (B // G), trainer_version=self.version - 1)
         self.finite = (math.isfinite(float(loss.detach())) and math.isfinite(grad_norm)
                        and bool(torch.isfinite(theta).all()))
         if not self.finite:

@@ -1,7 +1,12 @@
-"""Shared pieces of the framework adapters: a buffer of sequences flushed into a NeutralLogWriter in chunks."""
+"""Shared pieces of the framework adapters: bounded JSON lines, checked arrays and fields, and a buffer of sequences
+flushed into a NeutralLogWriter in chunks."""
 from __future__ import annotations
 
+import json
+import math
+
 import numpy as np
+import orjson
 
 from lab.diagnose.neutral import NeutralLogWriter
 from lab.errors import LabError
@@ -17,13 +22,110 @@ def _entries(values, where: str, name: str, ok, expected: str) -> None:
 
 
 def _number(v) -> bool:
-    return v is None or isinstance(v, (int, float, np.number))
+    if v is None or isinstance(v, (float, np.floating)):
+        return True
+    return isinstance(v, (int, np.integer)) and not isinstance(v, bool) and -2**63 <= v < 2**63
+
+
+_FLOATS = {float, type(None)}
+
+
+class OutOfRange(str):
+    """A JSON number too large for a float64, kept as its text so the field check names it."""
+
+    def __repr__(self):
+        return f"{str(self)[:24]}{'...' if len(self) > 24 else ''} (out of range)"
+
+
+MAX_JSON_DEPTH = 64
+
+
+def _parse_int(s: str):
+    """An integer as orjson reads it: an int within [-2^63, 2^64), else the nearest float64 (OutOfRange beyond)."""
+    if len(s) > 310:  # beyond any float64 (and Python's 4300-digit limit)
+        return OutOfRange(s)
+    v = int(s)
+    if -2**63 <= v < 2**64:
+        return v
+    try:
+        return float(v)
+    except OverflowError:
+        return OutOfRange(s)
+
+
+def _parse_float(s: str):
+    v = float(s)
+    return v if math.isfinite(v) else OutOfRange(s)
+
+
+def _depth(text: str) -> int:
+    """Deepest nesting of [ and { (string contents are counted too: an upper bound, exact for number arrays)."""
+    depth = best = 0
+    for ch in text:
+        if ch in "[{":
+            depth += 1
+            best = max(best, depth)
+        elif ch in "]}":
+            depth -= 1
+    return best
+
+
+def json_line(raw: bytes, where: str):
+    """One JSON value from one line of a JSONL file, bounded: UTF-8, at most MAX_JSON_DEPTH levels of nesting,
+    numbers that fit a float64 or a 64-bit integer; NaN and Infinity literals are refused. One LabError naming
+    ``where`` for anything else.
+
+    orjson parses a line with at most MAX_JSON_DEPTH brackets (so no deeper nesting); it refuses what the bounds
+    refuse and widens an integer beyond 64 bits to a float, which the field checks refuse where an integer is
+    expected. A line orjson refuses, or one with more brackets, is read by the standard library parser with the
+    bounds applied number by number (a number out of range comes back as OutOfRange text, which the field checks
+    refuse by name), which says what is wrong."""
+    if raw.count(b"[") + raw.count(b"{") <= MAX_JSON_DEPTH:
+        try:
+            return orjson.loads(raw)
+        except orjson.JSONDecodeError:
+            pass  # the careful parser below names the problem
+    return _json_line_checked(raw, where)
+
+
+def _json_line_checked(raw: bytes, where: str):
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise LabError(f"{where}: not valid UTF-8 (byte {e.start}); a JSONL export is UTF-8 text") from None
+    if text.count("[") + text.count("{") > MAX_JSON_DEPTH and _depth(text) > MAX_JSON_DEPTH:
+        raise LabError(f"{where}: JSON nested deeper than {MAX_JSON_DEPTH} levels; not a training-data record")
+
+    def constant(name):
+        raise LabError(f"{where}: {name} is not JSON (the writer emits null for non-finite numbers)")
+    try:
+        return json.loads(text, parse_int=_parse_int, parse_float=_parse_float, parse_constant=constant)
+    except json.JSONDecodeError as e:
+        raise LabError(f"{where}: not valid JSON ({e.msg} at column {e.colno}; a truncated line?)") from None
+    except RecursionError:
+        raise LabError(f"{where}: JSON nested too deeply to read; not a training-data record") from None
+
+
+def int_field(rec: dict, key: str, where: str, *, required: bool = False, minimum: int | None = 0):
+    """An integer scalar field (None when absent and not required); LabError naming the field otherwise."""
+    v = rec.get(key)
+    if v is None:
+        if required:
+            raise LabError(f"{where}: field {key!r} is missing; expected an integer")
+        return None
+    if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or not -2**62 < int(v) < 2**62 \
+            or (minimum is not None and int(v) < minimum):
+        want = "an integer" if minimum is None else f"an integer >= {minimum}"
+        raise LabError(f"{where}: field {key!r} is {v!r:.40}; expected {want} below 2^62")
+    return int(v)
 
 
 def float_array(values, where: str, name: str) -> np.ndarray:
     """A float64 array from a list of numbers that may hold None (-> NaN), or from a tensor or array; one LabError
     naming the entry for anything else (a string, a nested list)."""
     if isinstance(values, list):
+        if set(map(type, values)) <= _FLOATS:  # floats and nulls: converted at once
+            return np.array(values, dtype=np.float64)
         _entries(values, where, name, _number, "a number or null")
         return np.array([np.nan if v is None else v for v in values], dtype=np.float64)
     try:
@@ -45,8 +147,13 @@ def int_array(values, where: str, name: str) -> np.ndarray:
         values = values.tolist()
     if not isinstance(values, (list, tuple)):
         raise LabError(f"{where}: {name!r} must be a list of integers, got {type(values).__name__}")
-    _entries(values, where, name, lambda v: isinstance(v, (int, np.integer)) and -2**63 <= v < 2**63,
-             "an integer")
+    if set(map(type, values)) <= {int}:
+        try:
+            return np.array(values, dtype=np.int64)
+        except OverflowError:
+            pass  # the entry check names it
+    _entries(values, where, name, lambda v: isinstance(v, (int, np.integer)) and not isinstance(v, bool)
+             and -2**63 <= v < 2**63, "an integer")
     return np.array(values, dtype=np.int64)
 
 
@@ -58,6 +165,9 @@ def mask_array(values, where: str, name: str) -> np.ndarray:
         return values.reshape(-1) != 0
     if not isinstance(values, (list, tuple)):
         raise LabError(f"{where}: {name!r} must be a list of booleans, got {type(values).__name__}")
+    kinds = set(map(type, values))
+    if kinds <= {bool}:
+        return np.array(values, dtype=bool).reshape(-1)
     _entries(values, where, name, lambda v: isinstance(v, (bool, int, np.bool_, np.integer)), "true/false (or 0/1)")
     return np.fromiter((bool(v) for v in values), dtype=bool, count=len(values))
 

@@ -13,11 +13,19 @@ rebuilt through ``_rebuild_tensor_batch``). Keys ([B, R] over the response unles
 ``returns``, ``base_action_log_probs``, ``values``; metadata ``response_length``, ``policy_prompt_boundaries``
 (one (start, end) per prompt group; earlier releases kept ``uids``), ``pad_size``.
 
-Mapping: sampler_logp = rollout_logprobs, old_logp = action_log_probs; a row's response is its first R tokens up
-to the last one with response_mask (else loss_mask) set; rows without any loss-masked token (SkyRL pads a batch to
-a multiple of the data-parallel size) are skipped and counted in the notes; step = N from the file name;
-sample_id = the row; group_id from the prompt boundaries. The pickle is read by a restricted unpickler
-(lab.diagnose.safe_load) that never imports SkyRL.
+Layouts (``dataset/preprocess.py``, ``convert_prompts_responses_to_batch_tensors``): until b059319cf (2026-03-18)
+the response tensors are left-aligned (response at column 0, padding after it); since then every row is one
+left-padded block and the response tensors are right-aligned (the response fills the last response_len_i columns).
+In both, ``response_mask`` marks the response's columns and ``sequences[:, -R:]`` lines up with them. SkyRL pops
+``rewards`` and the ``uids`` before dumping (``trainer.py``), so dumps carry no reward, and group ids only through
+``policy_prompt_boundaries`` (from b9afd49fe, 2026-06-01). ``pad_training_input_batch`` appends ``pad_size`` copies
+of row 0 with a zero loss mask to reach a multiple of the data-parallel size: only those last rows are padding.
+
+Mapping: sampler_logp = rollout_logprobs, old_logp = action_log_probs; a row's response is the columns where
+response_mask is set (position 0 = its first response token), with loss_mask as dumped; the last ``pad_size`` rows
+are skipped and counted in the notes, every other row is a sequence (one whose loss mask is all zero too); step =
+N from the file name; sample_id = the row; group_id from the prompt boundaries; no policy versions (SkyRL records
+none). The pickle is read by a restricted unpickler (lab.diagnose.safe_load) that never imports SkyRL.
 """
 from __future__ import annotations
 
@@ -93,66 +101,100 @@ def _groups(meta: dict, B: int, source: Path):
     return None
 
 
+def _check_fields(fields: dict, f: Path) -> tuple[int, int]:
+    """(B, R) after checking that the needed fields are tensors of matching shapes."""
+    for k, what in (("rollout_logprobs", "the inference engine's log-probs (SkyRL stores them when the generator "
+                                         "returns them, e.g. with an off-policy correction)"),
+                    ("action_log_probs", "the trainer's log-probs (None when SkyRL skips that forward pass)"),
+                    ("loss_mask", "the loss mask")):
+        if fields.get(k) is None:
+            raise LabError(f"{f}: {k!r} is missing or None: it holds {what}; nothing to compare against")
+    for k in ("loss_mask", "rollout_logprobs", "action_log_probs", "advantages", "response_mask", "rewards",
+              "sequences"):
+        if fields.get(k) is not None and not torch.is_tensor(fields[k]):
+            raise LabError(f"{f}: {k!r} is a {type(fields[k]).__name__}, expected a tensor")
+    lm = fields["loss_mask"]
+    if lm.dim() != 2:
+        raise LabError(f"{f}: 'loss_mask' has shape {tuple(lm.shape)}, expected [batch, response_length]")
+    B, R = lm.shape
+    for k in ("rollout_logprobs", "action_log_probs", "advantages", "response_mask", "rewards"):
+        v = fields.get(k)
+        if v is not None and tuple(v.shape) != (B, R):
+            raise LabError(f"{f}: {k!r} has shape {tuple(v.shape)} but 'loss_mask' has {(B, R)}; masks and "
+                           f"lengths must match")
+    seqs = fields.get("sequences")
+    if seqs is not None and (seqs.dim() != 2 or seqs.shape[0] != B or seqs.shape[1] < R):
+        raise LabError(f"{f}: 'sequences' has shape {tuple(seqs.shape)}, expected [{B}, prompt + {R}]")
+    return B, R
+
+
+def _pad_size(meta: dict, B: int, f: Path) -> int:
+    pad = meta.get("pad_size", 0)
+    if pad is None:
+        return 0
+    if isinstance(pad, bool) or not isinstance(pad, int) or not 0 <= pad <= B:
+        raise LabError(f"{f}: metadata 'pad_size' is {pad!r:.40}; expected an integer in 0..{B}")
+    return pad
+
+
+def _np64(t):
+    return None if t is None else t.float().numpy().astype(np.float64)
+
+
 def convert(path, out, *, trust: bool = False, sampling: dict | None = None, progress=None) -> Path:
     files = find_files(Path(path))
     writer = NeutralLogWriter(out, make_meta("skyrl", LOGP, **(sampling or {})))
-    skipped = 0
+    padded = 0
     try:
         buf = SequenceBuffer(writer)
         for step, f in files:
             fields, meta = _fields(load_skyrl_pickle(f, trust), f)
             if step is None:
                 step = meta.get("global_step")
-                if not isinstance(step, int):
+                if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step < 2**62:
                     raise LabError(f"{f}: no step in the file name (global_step_N_training_input.pkl) or metadata")
-            for k, what in (("rollout_logprobs", "the inference engine's log-probs (SkyRL stores them when the "
-                                                 "generator returns them, e.g. with an off-policy correction)"),
-                            ("action_log_probs", "the trainer's log-probs (None when SkyRL skips that forward pass)"),
-                            ("loss_mask", "the loss mask")):
-                if fields.get(k) is None:
-                    raise LabError(f"{f}: {k!r} is missing or None: it holds {what}; nothing to compare against")
-            for k in ("loss_mask", "rollout_logprobs", "action_log_probs", "advantages", "response_mask", "rewards",
-                      "sequences"):
-                if fields.get(k) is not None and not torch.is_tensor(fields[k]):
-                    raise LabError(f"{f}: {k!r} is a {type(fields[k]).__name__}, expected a tensor")
-            lm = fields["loss_mask"]
-            if lm.dim() != 2:
-                raise LabError(f"{f}: 'loss_mask' has shape {tuple(lm.shape)}, expected [batch, response_length]")
-            B, R = lm.shape
-            for k in ("rollout_logprobs", "action_log_probs", "advantages", "response_mask", "rewards"):
-                v = fields.get(k)
-                if v is not None and tuple(v.shape) != (B, R):
-                    raise LabError(f"{f}: {k!r} has shape {tuple(v.shape)} but 'loss_mask' has {(B, R)}; masks and "
-                                   f"lengths must match")
+            B, R = _check_fields(fields, f)
+            pad = _pad_size(meta, B, f)
+            mask = (fields["loss_mask"] != 0).numpy()
+            resp_mask = (fields["response_mask"] != 0).numpy() if fields.get("response_mask") is not None else None
+            samp, old = _np64(fields["rollout_logprobs"]), _np64(fields["action_log_probs"])
+            adv, rew = _np64(fields.get("advantages")), _np64(fields.get("rewards"))
             seqs = fields.get("sequences")
-            if seqs is not None and (seqs.dim() != 2 or seqs.shape[0] != B or seqs.shape[1] < R):
-                raise LabError(f"{f}: 'sequences' has shape {tuple(seqs.shape)}, expected [{B}, prompt + {R}]")
-            mask = (lm != 0).numpy()
-            extent = (fields["response_mask"] != 0).numpy() if fields.get("response_mask") is not None else mask
-            samp = fields["rollout_logprobs"].float().numpy().astype(np.float64)
-            old = fields["action_log_probs"].float().numpy().astype(np.float64)
-            adv = fields["advantages"].float().numpy().astype(np.float64) if fields.get("advantages") is not None else None
-            rew = fields["rewards"].float().numpy().astype(np.float64) if fields.get("rewards") is not None else None
             resp = seqs[:, -R:].long().numpy() if seqs is not None else None
-            groups = _groups(meta, B, f)
-            for b in range(B):
-                if not mask[b].any():
-                    skipped += 1
-                    continue
-                ext = np.flatnonzero(extent[b] | mask[b])
-                n = int(ext[-1]) + 1
-                a = None if adv is None else adv[b, :n]
+            groups = _groups(meta, B - pad, f)
+            for b in range(B - pad):
+                cols = _response_columns(resp_mask, mask, b, f)
+                m = mask[b, cols]
+                a = None if adv is None else adv[b, cols]
                 buf.add("", int(step), b,
-                        {"token_id": None if resp is None else resp[b, :n], "loss_mask": mask[b, :n],
-                         "sampler_logp": samp[b, :n], "old_logp": old[b, :n], "advantage": a},
+                        {"token_id": None if resp is None else resp[b, cols], "loss_mask": m,
+                         "sampler_logp": samp[b, cols], "old_logp": old[b, cols], "advantage": a},
                         {"group_id": None if groups is None or not np.isfinite(groups[b]) else int(groups[b]),
-                         "reward": None if rew is None else float(rew[b, :n].sum()),
-                         "advantage": None if a is None else float(a[np.argmax(mask[b, :n])]),
+                         "reward": None if rew is None else float(rew[b, cols].sum()),
+                         "advantage": None if a is None or not m.any() else float(a[np.argmax(m)]),
                          "origin": f"{f} row {b}"})
+            padded += pad
         buf.flush()
-        if skipped:
-            writer.meta["notes"].append(f"{skipped} rows without loss-masked tokens (batch padding) skipped")
+        if padded:
+            writer.meta["notes"].append(f"{padded} padding rows (SkyRL's pad_size, added to fill the data-parallel "
+                                        f"ranks) skipped")
         return writer.close()
     except BaseException:
         writer.abort()
         raise
+
+
+def _response_columns(resp_mask, mask, b: int, f: Path) -> np.ndarray:
+    """The columns of row b's response: where response_mask is set (one contiguous block, at the left or the
+    right of the response tensors); without a response_mask, column 0 through the last loss-masked column."""
+    if resp_mask is None:
+        nz = np.flatnonzero(mask[b])
+        return np.arange(nz[-1] + 1 if nz.size else 0)
+    cols = np.flatnonzero(resp_mask[b])
+    if cols.size and cols[-1] - cols[0] + 1 != cols.size:
+        raise LabError(f"{f} row {b}: 'response_mask' is not one contiguous block of columns")
+    outside = mask[b] & ~resp_mask[b]
+    if outside.any():
+        raise LabError(f"{f} row {b}: loss_mask is set at column {int(np.argmax(outside))}, outside the response "
+                       f"(response_mask)")
+    return cols

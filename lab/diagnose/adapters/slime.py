@@ -1,29 +1,43 @@
-"""slime ``--dump-details DIR`` -> neutral log.
+"""slime debug dumps -> neutral log.
 
-slime's ``--dump-details DIR`` sets ``--save-debug-rollout-data DIR/rollout_data/{rollout_id}.pt`` and
-``--save-debug-train-data DIR/train_data/{rollout_id}.pt`` (older releases: ``train_data/{rollout_id}_{rank}.pt``),
-both written with ``torch.save`` (slime ``utils/arguments.py``, ``ray/rollout.py``,
-``backends/megatron_utils/train_dump_utils.py``):
+Where slime writes them (``utils/arguments.py``): ``--dump-details DIR`` sets ``--save-debug-rollout-data
+DIR/rollout_data/{rollout_id}.pt`` and ``--save-debug-train-data DIR/train_data/{rollout_id}.pt`` (before the
+2026-08 refactor, 681b3adca: ``train_data/{rollout_id}_{rank}.pt``); either flag can also be given alone with any
+path template (the docs use ``/your/saved/debug/train_{rollout_id}.pt``). All are ``torch.save`` files. PATH may
+be the DIR, its train_data/ folder, a folder of such files, or one train file; files are recognised by content.
 
-- rollout_data: ``{"rollout_id", "samples": [Sample.to_dict()]}`` with ``group_index``, ``index``, ``tokens``
-  (prompt + response), ``response_length``, ``reward``, ``loss_mask``, ``weight_versions`` (one SGLang weight
-  version per generation call; "default" for the launch weights), ``rollout_log_probs``, ``status``, ...
-- train_data, format_version 2: ``{"format_version": 2, "rollout_id", "rank", "samples": [...], "dp_shards": [...],
-  "raw_reward": ...}``; each sample holds ``data_parallel_rank``, ``sample_index``, ``rollout_position`` (its
-  index in the rollout dump's samples), ``tokens``, ``response_lengths``, ``total_lengths``, ``loss_masks``,
-  ``rewards`` (post-processed), ``rollout_log_probs``, ``log_probs`` (the trainer's, before the update),
-  ``ref_log_probs``, ``advantages``, ``returns`` (tensors over the response). Older releases:
-  ``{"rollout_id", "rank", "rollout_data": {column: [one entry per sample]}}``, one file per rank.
+- rollout dump: ``{"rollout_id", "samples": [Sample.to_dict()]}`` with ``group_index``, ``index``, ``tokens``
+  (prompt + response), ``response_length``, ``reward``, ``loss_mask``, ``weight_versions`` (the SGLang weight
+  version of each generation call), ``rollout_log_probs``, ...
+- train dump, format_version 2 (``observability/train_data_utils.py``): written once per rollout by the last
+  pipeline stage's TP-0 / CP-0 / DP-source rank: ``{"format_version": 2, "rollout_id", "rank", "samples": [...],
+  "dp_shards": [...], "raw_reward"}``; each sample holds ``data_parallel_rank``, ``sample_index``,
+  ``rollout_position`` (its index in the rollout dump's samples), ``tokens``, ``response_lengths``,
+  ``total_lengths``, ``loss_masks``, ``rollout_log_probs``, ``log_probs`` (the trainer's, before the update),
+  ``advantages``, ... (tensors over the whole response, context-parallel pieces gathered).
+- train dump before 681b3adca (``utils/train_dump_utils.py``): EVERY rank writes ``{"rollout_id", "rank",
+  "rollout_data": {column: [one entry per sample of its data-parallel shard]}}``. Tensor-parallel and
+  context-parallel ranks of one shard hold the same samples (identical files under TP); only last-stage pipeline
+  ranks hold ``log_probs``; with context parallelism each rank's log-prob tensors are its CP slice. The adapter
+  groups the files by the samples they hold (one group per data-parallel shard), takes the lowest rank that has
+  whole-response ``log_probs`` in each group, and refuses a group where no file has them.
 
 Mapping: sampler_logp = rollout_log_probs, old_logp = log_probs, response tokens = the last response_lengths of
-``tokens``; group_id, reward and versions from the rollout dump's sample at ``rollout_position`` (else the one with
-the same ``index``); step = trainer_version = rollout_id (one weight sync per rollout: slime's default
-``--update-weights-interval 1``, the launch weights counting as version 0). Loading uses torch's restricted
-unpickler (lab.diagnose.safe_load) unless ``trust``.
+``tokens``; group_id, reward and versions from the rollout dump's sample at ``rollout_position`` (else the one
+with the same ``index``); step = rollout_id; sample_id = rollout_position (else sample_index).
+
+Policy versions (``train.py``, ``train_async.py``, ``update_weight/*``): slime pushes the weights to SGLang once
+before its loop and again after each rollout's training (``--update-weights-interval 1``, the default), counting
+pushes from 0 in each process, so a fresh run's rollout k is generated with version k + 1 and a run resumed at
+rollout s (``--start-rollout-id`` or a checkpoint) restarts at version 1. The trainer consuming rollout k of a
+segment that began at rollout s with weight version v_s is at version ``k - s + v_s``: lag 0 for train.py, lag 1
+for train_async.py after its first rollout. A segment begins at the first rollout of the dump and wherever
+the versions drop. When a dump begins mid-run, the first rollout's lag is taken as 0 (noted in the log).
 """
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -36,60 +50,196 @@ from lab.errors import LabError
 
 LOGP = {"sampler_logp": "slime rollout_log_probs: the rollout engine's (SGLang) log-probs of the sampled tokens",
         "old_logp": "slime log_probs: the trainer's (Megatron) log-probs before the update", "current_logp": None}
-_V2, _LEGACY = re.compile(r"^(\d+)\.pt$"), re.compile(r"^(\d+)_(\d+)\.pt$")
+_NUM = re.compile(r"(\d+)(?:_(\d+))?\.pt$")
 
 
-def _root(path: Path) -> Path:
+# ------------------------------------------------------------------------------------------------ finding files
+@dataclass
+class _Files:
+    train: dict = field(default_factory=dict)    # rollout_id -> [path]
+    rollout: dict = field(default_factory=dict)  # rollout_id -> path
+
+
+def _discover(path: Path, trust: bool) -> _Files:
     path = Path(path)
     if not path.exists():
         raise LabError(f"{path}: no such file or folder")
-    if path.is_file() or path.name in ("train_data", "rollout_data"):
-        path = path.parent if path.is_dir() else path.parent.parent
-    if not (path / "train_data").is_dir():
-        raise LabError(f"{path}: no train_data/ folder; slime writes train_data/ and rollout_data/ with --dump-details "
-                       f"DIR (the trainer's log-probs are only in train_data)")
-    return path
-
-
-def _files(root: Path) -> dict[int, list[Path]]:
-    out: dict[int, list[Path]] = {}
-    for f in sorted((root / "train_data").iterdir()):
-        m = _V2.match(f.name) or _LEGACY.match(f.name)
-        if m:
-            out.setdefault(int(m.group(1)), []).append(f)
-    if not out:
-        raise LabError(f"{root / 'train_data'}: no {{rollout_id}}.pt files")
+    out = _Files()
+    root = path.parent if path.is_file() else path
+    if root.name in ("train_data", "rollout_data"):
+        root = root.parent
+    if (root / "train_data").is_dir():  # --dump-details layout: the folder says what each file is
+        for kind, folder in (("train", root / "train_data"), ("rollout", root / "rollout_data")):
+            for f in sorted(folder.glob("*.pt")) if folder.is_dir() else []:
+                m = _NUM.search(f.name)
+                if m and (kind == "train" or m.group(2) is None):
+                    _put(out, kind, int(m.group(1)), f)
+        if path.is_file():
+            out.train = {rid: [f for f in fs if f == path] for rid, fs in out.train.items() if path in fs}
+    else:  # a folder of --save-debug-*-data files named by any template: classify by content
+        files = [path] if path.is_file() else sorted(path.glob("*.pt"))
+        for f in files:
+            payload = torch_load(f, trust)
+            kind, rid = _classify(payload, f)
+            _put(out, kind, rid, f)
+            del payload
+        if path.is_file():
+            for f in sorted(path.parent.glob("*.pt")):
+                if f != path:
+                    payload = torch_load(f, trust)
+                    kind, rid = _classify(payload, f)
+                    if kind == "rollout":
+                        _put(out, kind, rid, f)
+    if not out.train:
+        raise LabError(f"{path}: no slime train dumps found (--dump-details DIR writes DIR/train_data/"
+                       f"{{rollout_id}}.pt; --save-debug-train-data writes the path it is given); the trainer's "
+                       f"log-probs are only in the train dumps")
     return out
 
 
-def _train_samples(files: list[Path], trust: bool) -> list[tuple[Path, int, dict]]:
-    """(file, index in file, sample dict) for every training sample of one rollout."""
+def _put(out: _Files, kind: str, rid: int, f: Path) -> None:
+    if kind == "train":
+        out.train.setdefault(rid, []).append(f)
+    elif rid in out.rollout:
+        raise LabError(f"{f}: a second rollout dump for rollout {rid} (also {out.rollout[rid]}); keep one")
+    else:
+        out.rollout[rid] = f
+
+
+def _classify(payload, f: Path) -> tuple[str, int]:
+    """("train" | "rollout", rollout_id) of a loaded dump."""
+    if not isinstance(payload, dict):
+        raise LabError(f"{f}: expected a dict (a slime debug dump), got {type(payload).__name__}")
+    rid = payload.get("rollout_id")
+    if isinstance(rid, bool) or not isinstance(rid, int) or rid < 0:
+        raise LabError(f"{f}: 'rollout_id' is {rid!r:.40}; expected a non-negative integer (a slime debug dump)")
+    if "format_version" in payload or isinstance(payload.get("rollout_data"), dict):
+        return "train", rid
+    if isinstance(payload.get("samples"), list):
+        return "rollout", rid
+    raise LabError(f"{f}: neither a slime train dump (format_version 2, or 'rollout_data') nor a rollout dump "
+                   f"('samples')")
+
+
+# ------------------------------------------------------------------------------------------------ train samples
+def _v2_samples(payload: dict, f: Path) -> list:
+    if payload["format_version"] != 2:
+        raise LabError(f"{f}: format_version {payload['format_version']!r:.40} is not supported (2 is)")
+    samples = payload.get("samples")
+    if not isinstance(samples, list):
+        raise LabError(f"{f}: 'samples' is missing or not a list")
+    return [(f, i, s) for i, s in enumerate(samples)]
+
+
+def _legacy_columns(payload: dict, f: Path) -> list[dict]:
+    cols = payload["rollout_data"]
+    n_col = cols.get("response_lengths")
+    if not isinstance(n_col, (list, tuple)):
+        raise LabError(f"{f}: 'rollout_data' has no 'response_lengths' list")
+    n = len(n_col)
+    per_sample = {k: v for k, v in cols.items() if isinstance(v, (list, tuple)) and len(v) == n and k != "raw_reward"}
+    samples = [{k: v[i] for k, v in per_sample.items()} for i in range(n)]
+    for s in samples:
+        s["sample_index"] = s.pop("sample_indices", None)
+    return samples
+
+
+def _fingerprint(samples: list[dict], f: Path) -> tuple:
+    """What identifies a data-parallel shard's samples: their sample indices and token counts and sums."""
     out = []
-    for f in files:
+    for i, s in enumerate(samples):
+        toks = s.get("tokens")
+        arr = int_array(toks if toks is not None else [], f"{f} sample {i}", "tokens")
+        out.append((s.get("sample_index"), arr.size, int(arr.sum()), int(arr[-1]) if arr.size else -1))
+    return tuple(out)
+
+
+def _log_probs_state(samples: list[dict]) -> str:
+    """"whole" when every sample's log_probs cover its response, "slice" when some are shorter (a context-parallel
+    slice), "none" when the file has no log_probs (not a last pipeline stage)."""
+    lps = [s.get("log_probs") for s in samples]
+    if not samples or all(x is None for x in lps):
+        return "none"
+    try:
+        ok = all(x is not None and _length(x) == int(s["response_lengths"]) for x, s in zip(lps, samples))
+    except (KeyError, TypeError, ValueError, OverflowError):
+        return "whole"  # malformed: the sample checks name the field
+    return "whole" if ok else "slice"
+
+
+def _length(x) -> int:
+    return int(x.numel()) if hasattr(x, "numel") else len(x) if isinstance(x, (list, tuple)) else -1
+
+
+def _train_samples(files: list[Path], trust: bool) -> list:
+    """(file, index in file, sample dict) for every training sample of one rollout: a format_version 2 file's
+    samples, or per-rank files grouped by the samples they hold, one file per group (the lowest rank with whole-
+    response log_probs)."""
+    groups: dict = {}  # fingerprint -> {"files": [...], "best": (rank, f, samples) | None, "slice": bool}
+    for f in sorted(files, key=lambda f: [int(x) if x.isdigit() else x for x in re.split(r"(\d+)", f.name)]):
         payload = torch_load(f, trust)
         if not isinstance(payload, dict):
             raise LabError(f"{f}: expected a dict, got {type(payload).__name__}")
         if "format_version" in payload:
-            if payload["format_version"] != 2:
-                raise LabError(f"{f}: format_version {payload['format_version']!r} is not supported (2 is)")
-            samples = payload.get("samples")
-            if not isinstance(samples, list):
-                raise LabError(f"{f}: 'samples' is missing or not a list")
-        elif isinstance(payload.get("rollout_data"), dict):  # one DP rank's columns
-            cols = payload["rollout_data"]
-            if not isinstance(cols.get("response_lengths"), (list, tuple)):
-                raise LabError(f"{f}: 'rollout_data' has no 'response_lengths' list")
-            n = len(cols["response_lengths"])
-            samples = [{k: (v[i] if isinstance(v, (list, tuple)) and len(v) == n else v) for k, v in cols.items()}
-                       for i in range(n)]
-            for s in samples:
-                s.setdefault("sample_index", s.pop("sample_indices", None))
-        else:
-            raise LabError(f"{f}: neither a format_version 2 train dump nor a legacy one with 'rollout_data'")
-        out.extend((f, i, s) for i, s in enumerate(samples))
+            if len(files) > 1:
+                raise LabError(f"{f}: one of several train dumps for rollout {payload.get('rollout_id')} "
+                               f"({', '.join(x.name for x in files)}); keep one")
+            return _v2_samples(payload, f)
+        if not isinstance(payload.get("rollout_data"), dict):
+            raise LabError(f"{f}: neither a format_version 2 train dump nor a per-rank one with 'rollout_data'")
+        rank = payload.get("rank") if isinstance(payload.get("rank"), int) else 0
+        samples = _legacy_columns(payload, f)
+        del payload
+        g = groups.setdefault(_fingerprint(samples, f), {"files": [], "best": None, "slice": False})
+        g["files"].append(f.name)
+        state = _log_probs_state(samples)
+        g["slice"] |= state == "slice"
+        if state == "whole" and (g["best"] is None or rank < g["best"][0]):
+            g["best"] = (rank, f, samples)
+    out, seen = [], {}
+    for g in groups.values():
+        if g["best"] is None:
+            first = Path(files[0]).parent / g["files"][0]
+            if g["slice"]:
+                raise LabError(f"{first}: 'log_probs' are shorter than the responses in {', '.join(g['files'])}: "
+                               f"context-parallel slices, which per-rank dumps do not gather; dump with slime from "
+                               f"2026-08 on (format_version 2 gathers them)")
+            raise LabError(f"{first}: no 'log_probs' (the trainer's log-probs) in {', '.join(g['files'])}: slime "
+                           f"writes them only on the last pipeline stage, and no last-stage file of these samples "
+                           f"is here; keep the last stage's train_data files")
+        _, f, samples = g["best"]
+        for i, smp in enumerate(samples):
+            key = smp.get("sample_index")
+            if key is not None and key in seen:
+                raise LabError(f"{f} sample {i}: sample_index {key} is also in {seen[key]}, which holds other "
+                               f"samples; the per-rank files overlap")
+            seen[key] = f
+        out.extend((f, i, smp) for i, smp in enumerate(samples))
     return out
 
 
+# ------------------------------------------------------------------------------------------------ versions
+class _Versions:
+    """Trainer version per rollout: ``k - s + v_s`` within a segment that began at rollout s with weight version v_s
+    (the smallest version among its samples); a segment begins at the first rollout and wherever versions drop."""
+
+    def __init__(self):
+        self.start = self.v_start = self.prev = None
+        self.mid_run = None
+
+    def trainer_version(self, rid: int, vmin) -> int | None:
+        if vmin is None:
+            self.prev = None
+            return None
+        if self.start is None or self.prev is None or vmin < self.prev:
+            self.start, self.v_start = rid, vmin
+            if vmin > 1 and self.mid_run is None:
+                self.mid_run = (rid, vmin)
+        self.prev = vmin
+        return rid - self.start + self.v_start
+
+
+# ------------------------------------------------------------------------------------------------ conversion
 def _vec(sample: dict, key: str, where: str, n: int, required: bool = True):
     v = sample.get(key)
     if v is None:
@@ -102,65 +252,84 @@ def _vec(sample: dict, key: str, where: str, n: int, required: bool = True):
     return arr
 
 
+def _rollout(f: Path | None, trust: bool) -> list:
+    if f is None:
+        return []
+    payload = torch_load(f, trust)
+    rollout = payload.get("samples") if isinstance(payload, dict) else None
+    if not isinstance(rollout, list):
+        raise LabError(f"{f}: expected a dict with a 'samples' list")
+    return rollout
+
+
+def _sample_versions(rs: dict) -> list[int]:
+    wv = rs.get("weight_versions") or []
+    versions = [int_version(v) for v in (wv if isinstance(wv, (list, tuple)) else [wv])]
+    return [int(v) for v in versions if np.isfinite(v)]
+
+
 def convert(path, out, *, trust: bool = False, sampling: dict | None = None, progress=None) -> Path:
-    root = _root(Path(path))
+    files = _discover(Path(path), trust)
     writer = NeutralLogWriter(out, make_meta("slime", LOGP, **(sampling or {})))
+    versions = _Versions()
     try:
         buf = SequenceBuffer(writer)
-        for rid, files in sorted(_files(root).items()):
-            rollout_file = root / "rollout_data" / f"{rid}.pt"
-            rollout = []
-            if rollout_file.exists():
-                payload = torch_load(rollout_file, trust)
-                rollout = payload.get("samples") if isinstance(payload, dict) else None
-                if not isinstance(rollout, list):
-                    raise LabError(f"{rollout_file}: expected a dict with a 'samples' list")
+        for rid, train_files in sorted(files.train.items()):
+            rollout_file = files.rollout.get(rid)
+            rollout = _rollout(rollout_file, trust)
             by_index = {s["index"]: s for s in rollout if isinstance(s, dict) and isinstance(s.get("index"), int)}
-            for f, i, s in _train_samples(files, trust):
-                where = f"{f} sample {i}"
-                if not isinstance(s, dict):
-                    raise LabError(f"{where}: expected a dict, got {type(s).__name__}")
-                try:
-                    n, total = int(s["response_lengths"]), int(s["total_lengths"])
-                    pos, idx = (None if s.get(k) is None else int(s[k]) for k in ("rollout_position", "sample_index"))
-                except (KeyError, TypeError, ValueError):
-                    raise LabError(f"{where}: needs integer 'response_lengths' and 'total_lengths' (and "
-                                   f"'rollout_position', 'sample_index' when present)") from None
-                toks = int_array(s["tokens"] if s.get("tokens") is not None else [], where, "tokens")
-                if toks.size != total or not 0 <= n <= total:
-                    raise LabError(f"{where}: 'tokens' has {toks.size} entries but total_lengths is {total} "
-                                   f"(response_lengths {n})")
-                mask = mask_array(s["loss_masks"], where, "loss_masks") if s.get("loss_masks") is not None \
-                    else np.ones(n, bool)
-                if mask.shape != (n,):
-                    raise LabError(f"{where}: 'loss_masks' has {mask.size} entries but response_lengths is {n}")
-                rs = rollout[pos] if pos is not None and 0 <= pos < len(rollout) else by_index.get(idx)
-                rs = rs if isinstance(rs, dict) else {}
-                wv = rs.get("weight_versions") or []
-                versions = [int_version(v) for v in (wv if isinstance(wv, (list, tuple)) else [wv])]
-                versions = [v for v in versions if np.isfinite(v)]
-                reward = rs.get("reward")
-                reward = float(reward) if isinstance(reward, (int, float)) and not isinstance(reward, bool) else None
-                group = rs.get("group_index")
-                if group is not None and not isinstance(group, int):
-                    raise LabError(f"{where}: the rollout sample's 'group_index' is {group!r:.40}; expected an integer")
-                adv = _vec(s, "advantages", where, n, required=False)
-                seq_adv = None
-                if adv is not None and mask.any():
-                    seq_adv = float(adv[np.argmax(mask)])
-                sid = pos if pos is not None else (idx if idx is not None else i)
-                buf.add("", rid, sid,
-                        {"token_id": toks[total - n:], "loss_mask": mask,
-                         "sampler_logp": _vec(s, "rollout_log_probs", where, n),
-                         "old_logp": _vec(s, "log_probs", where, n),
-                         "advantage": adv, "entropy": _vec(s, "entropy", where, n, required=False),
-                         "version": np.full(n, versions[0] if len(set(versions)) == 1 else np.nan)},
-                        {"group_id": group, "reward": reward, "advantage": seq_adv,
-                         "version_min": min(versions) if versions else None,
-                         "version_max": max(versions) if versions else None, "trainer_version": rid,
-                         "origin": where})
+            all_v = [v for s in rollout if isinstance(s, dict) for v in _sample_versions(s)]
+            tv = versions.trainer_version(rid, min(all_v) if all_v else None)
+            seen: dict = {}
+            for f, i, s in _train_samples(train_files, trust):
+                _add_sample(buf, rid, f, i, s, rollout, by_index, tv, seen)
         buf.flush()
+        if versions.mid_run is not None:
+            rid, v = versions.mid_run
+            writer.meta["notes"].append(f"the dump begins mid-run (rollout {rid} was generated with weight version "
+                                        f"{v}, not 1): staleness takes the trainer to be at that version then")
         return writer.close()
     except BaseException:
         writer.abort()
         raise
+
+
+def _add_sample(buf, rid: int, f: Path, i: int, s, rollout: list, by_index: dict, tv, seen: dict) -> None:
+    where = f"{f} sample {i}"
+    if not isinstance(s, dict):
+        raise LabError(f"{where}: expected a dict, got {type(s).__name__}")
+    try:
+        n, total = int(s["response_lengths"]), int(s["total_lengths"])
+        pos, idx = (None if s.get(k) is None else int(s[k]) for k in ("rollout_position", "sample_index"))
+    except (KeyError, TypeError, ValueError, OverflowError):
+        raise LabError(f"{where}: needs integer 'response_lengths' and 'total_lengths' (and "
+                       f"'rollout_position', 'sample_index' when present)") from None
+    toks = int_array(s["tokens"] if s.get("tokens") is not None else [], where, "tokens")
+    if toks.size != total or not 0 <= n <= total:
+        raise LabError(f"{where}: 'tokens' has {toks.size} entries but total_lengths is {total} "
+                       f"(response_lengths {n})")
+    mask = mask_array(s["loss_masks"], where, "loss_masks") if s.get("loss_masks") is not None else np.ones(n, bool)
+    if mask.shape != (n,):
+        raise LabError(f"{where}: 'loss_masks' has {mask.size} entries but response_lengths is {n}")
+    rs = rollout[pos] if pos is not None and 0 <= pos < len(rollout) else by_index.get(idx)
+    rs = rs if isinstance(rs, dict) else {}
+    versions = _sample_versions(rs)
+    reward = rs.get("reward")
+    reward = float(reward) if isinstance(reward, (int, float)) and not isinstance(reward, bool) else None
+    group = rs.get("group_index")
+    if group is not None and (isinstance(group, bool) or not isinstance(group, int)):
+        raise LabError(f"{where}: the rollout sample's 'group_index' is {group!r:.40}; expected an integer")
+    adv = _vec(s, "advantages", where, n, required=False)
+    seq_adv = float(adv[np.argmax(mask)]) if adv is not None and mask.any() else None
+    sid = pos if pos is not None else (idx if idx is not None else i)
+    if sid in seen:
+        raise LabError(f"{where}: sample {sid} of rollout {rid} appears twice (also {seen[sid]})")
+    seen[sid] = where
+    buf.add("", rid, sid,
+            {"token_id": toks[total - n:], "loss_mask": mask,
+             "sampler_logp": _vec(s, "rollout_log_probs", where, n), "old_logp": _vec(s, "log_probs", where, n),
+             "advantage": adv, "entropy": _vec(s, "entropy", where, n, required=False),
+             "version": np.full(n, versions[0] if len(set(versions)) == 1 else np.nan)},
+            {"group_id": group, "reward": reward, "advantage": seq_adv,
+             "version_min": min(versions) if versions else None,
+             "version_max": max(versions) if versions else None, "trainer_version": tv, "origin": where})

@@ -1,0 +1,280 @@
+"""Dumps built the way each framework's writing code builds them, version by version and layout by layout (the code
+restated from slime, SkyRL, prime-rl and NeMo-RL at the commits named in the adapters' docstrings): the converted
+log's loss-masked tokens, log-probs, lengths, positions, groups and staleness equal the framework's own, and the
+headline numbers equal an independent computation."""
+from __future__ import annotations
+
+import json
+import pickle
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from lab.diagnose import RolloutLog, diagnose
+from lab.diagnose.adapters import convert
+from lab.diagnose.cli import main
+from test_diagnose_adapters import _tables, skyrl_module, slime_sample_to_dict
+
+
+# ------------------------------------------------------------------------------------------------ slime
+def slime_rollout(rng, rid: int, version: int, n: int = 4, group_size: int = 2):
+    """Samples of one rollout generated on SGLang weight version ``version`` (Sample.to_dict) and the trainer's
+    per-sample fields (the train dump's columns) for them."""
+    samples, train = [], []
+    for k in range(n):
+        P, R = int(rng.integers(2, 5)), int(rng.integers(3, 8))
+        tokens = rng.integers(0, 1000, P + R).tolist()
+        rlp = (-rng.exponential(1.0, R)).astype(np.float32)
+        samples.append(slime_sample_to_dict(k // group_size, 1000 * rid + k, tokens, R, float(k % 2), [1] * R,
+                                            [str(version)], rlp.tolist()))
+        train.append({"tokens": torch.tensor(tokens), "response_lengths": R, "total_lengths": P + R,
+                      "loss_masks": torch.ones(R, dtype=torch.int), "rewards": float(k % 2),
+                      "rollout_log_probs": torch.tensor(rlp),
+                      "log_probs": torch.tensor(rlp + rng.normal(0, 0.02, R).astype(np.float32)),
+                      "advantages": torch.zeros(R), "sample_index": 1000 * rid + k})
+    return samples, train
+
+
+def save_v2(folder, name, rid, train):
+    """observability/train_data_utils.py: one file per rollout from the DP source rank, samples in rollout order."""
+    samples = [dict(t, data_parallel_rank=0, rollout_position=i) for i, t in enumerate(train)]
+    torch.save({"format_version": 2, "rollout_id": rid, "rank": 0, "samples": samples, "dp_shards": []},
+               folder / name)
+
+
+@pytest.mark.parametrize("script,resume", [("train.py", None), ("train.py", 5), ("train_async.py", None)])
+def test_slime_staleness_follows_weight_pushes(tmp_path, script, resume):
+    """One push before the loop, one after each rollout's training, counted from 0 in each process: a fresh
+    train.py run is on-policy (lag 0), so is one resumed at rollout 5; train_async.py generates rollout k + 1 while
+    training on rollout k (lag 1 after its first rollout)."""
+    rng = np.random.default_rng(0)
+    dump = tmp_path / "dump"
+    (dump / "train_data").mkdir(parents=True)
+    (dump / "rollout_data").mkdir()
+    segments = [range(0, 3), range(resume, resume + 3)] if resume else [range(0, 5)]
+    want = {}
+    for seg in segments:
+        pushes = 1  # actor_model.update_weights() before the loop
+        for k in seg:
+            if script == "train.py":
+                version, lag = pushes, 0
+            else:  # rollout k was generated before the push that follows training on k - 1
+                version, lag = max(pushes - 1, 1), 0 if k == seg.start else 1
+            samples, train = slime_rollout(rng, k, version)
+            torch.save({"rollout_id": k, "samples": samples}, dump / "rollout_data" / f"{k}.pt")
+            save_v2(dump / "train_data", f"{k}.pt", k, train)
+            want[k] = lag
+            pushes += 1  # update_weights() after training on rollout k
+    d = diagnose(convert("slime", dump, tmp_path / "log"), progress=False)
+    _, seq = _tables(tmp_path / "log")
+    got = (seq["trainer_version"] - seq["version_min"]).groupby(seq["step"]).agg(["min", "max"])
+    assert got["min"].to_dict() == want and got["max"].to_dict() == want
+    assert d.summary["staleness"]["max_lag"] == max(want.values())
+
+
+def test_slime_per_rank_dumps_of_a_tp_pp_dp_run(tmp_path):
+    """Before 2026-08 every rank wrote train_data/{rid}_{rank}.pt: TP ranks identical files, first pipeline stage
+    without log_probs; DP shards disjoint. The log holds each sample once, with the last stage's log-probs."""
+    rng = np.random.default_rng(1)
+    dump = tmp_path / "dump"
+    (dump / "train_data").mkdir(parents=True)
+    (dump / "rollout_data").mkdir()
+    samples, train = slime_rollout(rng, 0, 1, n=6)
+    torch.save({"rollout_id": 0, "samples": samples}, dump / "rollout_data" / "0.pt")
+    tp, pp, dp = 2, 2, 2
+    for rank in range(tp * pp * dp):  # Megatron's rank order: tp fastest, then dp, then pp
+        t_rank, d_rank, p_rank = rank % tp, (rank // tp) % dp, rank // (tp * dp)
+        shard = [t for i, t in enumerate(train) if i % dp == d_rank]
+        cols = {k: [t[k] for t in shard] for k in shard[0] if k != "sample_index"}
+        cols["sample_indices"] = [t["sample_index"] for t in shard]
+        cols["raw_reward"] = [s["reward"] for s in samples]  # shipped whole to every rank
+        if p_rank < pp - 1:
+            del cols["log_probs"]  # compute_log_prob stores them on the last stage only
+        torch.save({"rollout_id": 0, "rank": rank, "rollout_data": cols}, dump / "train_data" / f"0_{rank}.pt")
+    log = RolloutLog(convert("slime", dump, tmp_path / "log"))
+    tok, seq = _tables(tmp_path / "log")
+    assert sorted(seq["sample_id"]) == sorted(t["sample_index"] for t in train)
+    for t in train:
+        rows = tok[tok["sample_id"] == t["sample_index"]]
+        np.testing.assert_array_equal(rows["old_logp"].to_numpy(np.float32), t["log_probs"].numpy())
+        np.testing.assert_array_equal(rows["position"], np.arange(t["response_lengths"]))
+    assert log.n_token_rows == sum(t["response_lengths"] for t in train)
+    for rank in (4, 5, 6, 7):  # only first-stage files left: refused, one line naming the field
+        (dump / "train_data" / f"0_{rank}.pt").unlink()
+    assert main(["--from", "slime", str(dump), "--out", str(tmp_path / "run")]) == 2
+    assert not (tmp_path / "run").exists()
+
+
+def test_slime_save_debug_train_data_layout(tmp_path, capsys):
+    """--save-debug-train-data /x/train_{rollout_id}.pt and --save-debug-rollout-data /x/data_{rollout_id}.pt,
+    as slime's docs show them: files recognised by content."""
+    rng = np.random.default_rng(2)
+    folder = tmp_path / "debug"
+    folder.mkdir()
+    for k in (0, 1):
+        samples, train = slime_rollout(rng, k, k + 1)
+        torch.save({"rollout_id": k, "samples": samples}, folder / f"data_{k}.pt")
+        save_v2(folder, f"train_{k}.pt", k, train)
+    assert main(["--from", "slime", str(folder)]) == 0
+    _, seq = _tables(RolloutLog(convert("slime", folder, tmp_path / "log")).path)
+    assert (seq["trainer_version"] == seq["version_min"]).all() and seq["group_id"].notna().all()
+
+
+# ------------------------------------------------------------------------------------------------ SkyRL
+def skyrl_tensors(prompts, responses, loss_masks, logprobs, right_aligned: bool):
+    """convert_prompts_responses_to_batch_tensors: since b059319cf one left-padded block per row with right-aligned
+    response tensors; before it, left-padded prompts, right-padded responses starting at column 0."""
+    B = len(prompts)
+    R = max(len(r) for r in responses)
+    if right_aligned:
+        total = max(len(p) + len(r) for p, r in zip(prompts, responses))
+        seqs = np.zeros((B, total), np.int64)
+        for i, (p, r) in enumerate(zip(prompts, responses)):
+            seqs[i, total - len(p) - len(r):] = p + r
+    else:
+        P = max(len(p) for p in prompts)
+        seqs = np.zeros((B, P + R), np.int64)
+        for i, (p, r) in enumerate(zip(prompts, responses)):
+            seqs[i, P - len(p):P] = p
+            seqs[i, P:P + len(r)] = r
+    out = {k: np.zeros((B, R), np.float32) for k in ("response_mask", "loss_mask", "rollout_logprobs")}
+    for i, r in enumerate(responses):
+        cols = slice(R - len(r), R) if right_aligned else slice(0, len(r))
+        out["response_mask"][i, cols] = 1
+        out["loss_mask"][i, cols] = loss_masks[i]
+        out["rollout_logprobs"][i, cols] = logprobs[i]
+    return seqs, out
+
+
+@pytest.mark.parametrize("version", ["2026-02", "2026-04", "2026-07"])
+def test_skyrl_dump_versions(tmp_path, monkeypatch, version):
+    rng = np.random.default_rng(3)
+    new = version != "2026-02"
+    cls = skyrl_module(monkeypatch, new)
+    uids = ["p0", "p0", "p1", "p1", "p2"]
+    prompts = [rng.integers(1, 99, int(rng.integers(2, 6))).tolist() for _ in uids]
+    responses = [rng.integers(1, 99, int(rng.integers(2, 9))).tolist() for _ in uids]
+    masks = [[1] * len(r) for r in responses]
+    masks[1][1] = 0  # a tool output inside a response
+    masks[3] = [0] * len(responses[3])  # a response the loss leaves out entirely (not padding)
+    lps = [(-rng.exponential(1.0, len(r))).astype(np.float32) for r in responses]
+    seqs, t = skyrl_tensors(prompts, responses, masks, lps, right_aligned=new)
+    act = np.where(t["response_mask"] > 0, t["rollout_logprobs"] + rng.normal(0, 0.05, t["loss_mask"].shape), 0)
+    fields = {"sequences": torch.tensor(seqs), "response_mask": torch.tensor(t["response_mask"]).long(),
+              "loss_mask": torch.tensor(t["loss_mask"]), "rollout_logprobs": torch.tensor(t["rollout_logprobs"]),
+              "action_log_probs": torch.tensor(act.astype(np.float32)),
+              "advantages": torch.tensor(t["response_mask"])}
+    pad = 1  # pad_training_input_batch: copies of row 0 with a zero loss mask
+    fields = {k: torch.cat([v, v[:1] * (0 if k == "loss_mask" else 1)]) for k, v in fields.items()}
+    batch = cls(fields)
+    meta = {"response_length": t["loss_mask"].shape[1], "pad_size": pad}
+    if version == "2026-07":
+        meta["policy_prompt_boundaries"] = [(0, 2), (2, 4), (4, 5)]
+    batch.metadata = meta  # uids and rewards popped before the dump
+    d = tmp_path / "export" / "dumped_data"
+    d.mkdir(parents=True)
+    with open(d / "global_step_3_training_input.pkl", "wb") as f:
+        pickle.dump(batch, f)
+    monkeypatch.undo()
+    assert "skyrl" not in sys.modules and "skyrl_train" not in sys.modules
+    log = RolloutLog(convert("skyrl", tmp_path / "export", tmp_path / "log"))
+    tok, seq = _tables(log.path)
+    assert list(seq["sample_id"]) == [0, 1, 2, 3, 4] and list(seq["response_length"]) == [len(r) for r in responses]
+    for b, r in enumerate(responses):
+        rows = tok[tok["sample_id"] == b]
+        np.testing.assert_array_equal(rows["token_id"], r)
+        np.testing.assert_array_equal(rows["position"], np.arange(len(r)))
+        np.testing.assert_array_equal(rows["loss_mask"], np.array(masks[b]) > 0)
+        np.testing.assert_array_equal(rows["sampler_logp"].to_numpy(np.float32), lps[b])
+    groups = seq["group_id"].tolist()
+    assert groups == ([0, 0, 1, 1, 2] if version == "2026-07" else [None] * 5) or (
+        version != "2026-07" and seq["group_id"].isna().all())
+    assert seq["reward"].isna().all()
+    diag = diagnose(log, progress=False)
+    m = np.concatenate([np.array(x) > 0 for x in masks])
+    delta = np.concatenate([act[b][t["response_mask"][b] > 0].astype(np.float32) - lps[b] for b in range(5)])
+    assert diag.tables["overall"].set_index("pair").loc["mismatch", "mean_abs"] == pytest.approx(
+        np.abs(delta[m].astype(np.float64)).mean(), rel=1e-9)
+
+
+# ------------------------------------------------------------------------------------------------ prime-rl
+def test_prime_rl_distillation_tokens_leave_the_loss_mask(tmp_path):
+    """rl/train.py: mismatch metrics on loss_mask & (rl_weights != 0 | ref_kl_weights != 0); ce tokens keep
+    loss_mask true but carry a frozen model's tokens. Older exports: training_mode == "sft" records."""
+    rng = np.random.default_rng(4)
+    d = tmp_path / "out" / "token_exports" / "step_1"
+    d.mkdir(parents=True)
+    recs, sampled = [], []
+    for i in range(4):
+        n = 12
+        loss = np.r_[np.zeros(3, bool), np.ones(n - 3, bool)]
+        ce = np.zeros(n) if i % 2 == 0 else np.r_[np.zeros(7), np.ones(n - 7)]  # distilled tail
+        rl = np.where(loss & (ce == 0), 1.0, 0.0)
+        inf = -rng.exponential(1.0, n)
+        tr = inf + np.where(ce > 0, rng.normal(0, 2.0, n), rng.normal(0, 0.03, n))
+        f32 = lambda x: np.asarray(x, np.float32).astype(float).tolist()  # noqa: E731
+        recs.append({"schema_version": 1, "step": 1, "export_step": 1, "rank": 0, "micro_step": 0,
+                     "micro_sequence_idx": i, "export_sequence_idx": i, "run_id": None, "env_name": "x",
+                     "token_ids": list(range(n)), "position_ids": list(range(n)), "loss_mask": loss.tolist(),
+                     "advantages": [0.5] * n, "inference_logprobs": f32(inf), "trainer_logprobs": f32(tr),
+                     "entropy": [1.0] * n, "rl_weights": rl.tolist(), "ce_weights": ce.tolist(),
+                     "ref_kl_weights": [None] * n})
+        sampled.append((np.float32(tr) - np.float32(inf))[loss & (rl != 0)])
+    recs.append(dict(recs[0], training_mode="sft", micro_sequence_idx=9, rl_weights=[None] * 12,
+                     ce_weights=[None] * 12))
+    (d / "rank_0.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    log = RolloutLog(convert("prime-rl", tmp_path / "out", tmp_path / "log"))
+    diag = diagnose(log, progress=False)
+    want = np.abs(np.concatenate(sampled).astype(np.float64))
+    assert diag.tables["overall"].set_index("pair").loc["mismatch", "mean_abs"] == pytest.approx(want.mean(), 1e-9)
+    assert any("cross-entropy" in n for n in log.meta["notes"])
+    k3 = np.expm1(np.concatenate(sampled).astype(np.float64)) - np.concatenate(sampled)
+    dash = diag.tables["dashboards"].set_index("metric")["value"]
+    assert dash["mismatch_kl/all/mean"] == pytest.approx(k3.mean(), rel=1e-9)
+
+
+# ------------------------------------------------------------------------------------------------ NeMo-RL
+def nemo_rl_log(folder, step, rng, B=4, prompt=3):
+    """grpo.py's training-data log: Logger.log_batched_dict_as_jsonl of token_ids, token_loss_mask, ... padded to
+    the batch's longest sequence; one json.dumps({**sample, "idx": i}) line per sample."""
+    lens = rng.integers(prompt + 2, prompt + 9, B)
+    S = int(lens.max())
+    tok_mask = np.zeros((B, S), int)
+    for i, n in enumerate(lens):
+        tok_mask[i, prompt:n] = 1
+    gen = np.where(tok_mask > 0, -rng.exponential(1.0, (B, S)), 0.0).astype(np.float32)
+    prev = np.where(tok_mask > 0, gen + rng.normal(0, 0.05, (B, S)), 0.0).astype(np.float32)
+    sample_mask = np.array([1, 1, 0, 1])[:B]
+    data = {"content": [f"sample {i}" for i in range(B)], "rewards": rng.random(B).tolist(),
+            "input_lengths": lens.tolist(), "token_ids": rng.integers(0, 999, (B, S)).tolist(),
+            "token_loss_mask": tok_mask.tolist(), "sample_loss_mask": sample_mask.tolist(),
+            "advantages": np.repeat(rng.normal(size=(B, 1)), S, 1).tolist(),
+            "generation_logprobs": gen.tolist(), "prev_logprobs": prev.tolist()}
+    with open(folder / f"train_data_step{step}.jsonl", "w") as f:
+        for i in range(B):
+            f.write(json.dumps({**{k: v[i] for k, v in data.items()}, "idx": i}, default=str) + "\n")
+    return data
+
+
+def test_nemo_rl_training_data_log(tmp_path):
+    rng = np.random.default_rng(5)
+    folder = tmp_path / "logs" / "exp_001"
+    folder.mkdir(parents=True)
+    made = {s: nemo_rl_log(folder, s, rng) for s in (1, 2)}
+    assert main(["--from", "nemo-rl", str(tmp_path / "logs"), "--save-log", str(tmp_path / "log")]) == 0
+    tok, seq = _tables(tmp_path / "log")
+    deltas = []
+    for s, data in made.items():
+        for i, n in enumerate(data["input_lengths"]):
+            rows = tok[(tok["step"] == s) & (tok["sample_id"] == i)]
+            np.testing.assert_array_equal(rows["token_id"], data["token_ids"][i][3:n])
+            m = (np.array(data["token_loss_mask"][i][3:n]) > 0) & bool(data["sample_loss_mask"][i])
+            np.testing.assert_array_equal(rows["loss_mask"], m)
+            g, p = (np.array(data[k][i][3:n], np.float32) for k in ("generation_logprobs", "prev_logprobs"))
+            deltas.append((p - g)[m])
+    assert seq["reward"].tolist() == [r for d in made.values() for r in d["rewards"]]
+    d = diagnose(RolloutLog(tmp_path / "log"), progress=False)
+    assert d.tables["overall"].set_index("pair").loc["mismatch", "mean_abs"] == pytest.approx(
+        np.abs(np.concatenate(deltas).astype(np.float64)).mean(), rel=1e-9)
