@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-import threading
+import json
 import time
 from pathlib import Path
 
@@ -67,18 +67,20 @@ def cmd_estimators(args) -> int:
     return 0
 
 
-def cmd_variance(args) -> int:
+def cmd_study(args) -> int:
+    """Any study from the command line: flags from its Config, a run folder with its results and summary."""
     from lab.configs import from_args, to_dict
     from lab.runs import check_out_dir, write_run
-    from lab.studies import variance
+    from lab.studies import study_module
 
-    cfg = from_args(variance.Config, args)
-    out = Path(args.out or f"runs/variance/{cfg.env}-{cfg.staleness}-seed{cfg.seed}")
+    mod = study_module(args.study)
+    cfg = from_args(mod.Config, args)
+    out = Path(args.out or f"runs/{args.study}/{mod.run_name(cfg) if hasattr(mod, 'run_name') else 'run'}")
     check_out_dir(out)
-    results, summary = variance.run(cfg)
-    write_run(out, {"command": "variance", **to_dict(cfg)}, results, summary)
-    best = ", ".join(f"{k}: {v or 'none beats a zero update'}" for k, v in summary["best_by_mse"].items())
-    print(f"wrote {out} ({len(results)} rows); lowest MSE per {cfg.staleness} value: {best}")
+    results, summary = mod.run(cfg)
+    write_run(out, {"command": f"study {args.study}", **to_dict(cfg)}, results, summary)
+    line = mod.describe(summary) if hasattr(mod, "describe") else ""
+    print(f"wrote {out} ({len(results)} rows){'; ' + line if line else ''}")
     return 0
 
 
@@ -143,18 +145,17 @@ def cmd_report(args) -> int:
         if args.name or args.param or args.file or args.params:
             raise LabError("give either a report name (with -p / -f) or --all, not both")
         check_file(Path(args.out) / "index.html")  # before any report runs
-        n, done, t0, lock = len(reports.names()), [0], time.perf_counter(), threading.Lock()
+        n, done, t0 = len([r for r in reports.catalog().values() if r.gallery]), [0], time.perf_counter()
 
         def say(kind, name, seconds, error=None):
-            with lock:  # reports build in parallel threads: one whole line at a time
-                if kind == "start":
-                    print(f"building {name} ...", flush=True)
-                else:
-                    done[0] += 1
-                    status = f"failed ({error})" if kind == "failed" else f"{seconds:.0f} s"
-                    print(f"[{done[0]}/{n}] {name}: {status}", flush=True)
+            if kind == "start":
+                print(f"building {name} ...", flush=True)
+            else:
+                done[0] += 1
+                status = f"failed ({error})" if kind == "failed" else f"{seconds:.0f} s"
+                print(f"[{done[0]}/{n}] {name}: {status}", flush=True)
 
-        paths = reports.run_all(out_root=Path(args.out), workers=args.workers, on_event=say)
+        paths = reports.run_all(out_root=Path(args.out), workers=args.workers, on_event=say, smoke=args.smoke)
         print(f"wrote {len(paths) - 1} reports and the gallery {paths[-1]} in {time.perf_counter() - t0:.0f} s",
               flush=True)
         return 0
@@ -162,11 +163,12 @@ def cmd_report(args) -> int:
         raise LabError(f"name a report ({', '.join(reports.names())}) or pass --all")
     if args.params:
         for p in reports.parameters(args.name).values():
-            print(f"{p.name:<22}{p.kind:<18}{p.default!r:<40} {p.help}")
+            print(f"{p.name:<24}{p.kind:<36} {json.dumps(p.default):<40} {p.help}")
         return 0
-    given = {**(report_params.from_file(args.file) if args.file else {}), **pairs(args.param, "-p")}
+    given = report_params.from_file(args.file) if args.file else {}
+    cli = pairs(args.param, "-p", parse=False)
     check_file(Path(args.out) / "index.html")  # the gallery page is refreshed after the build
-    path = reports.run_report(args.name, given, out_root=Path(args.out))
+    path = reports.run_report(args.name, given, out_root=Path(args.out), cli=cli, smoke=args.smoke)
     reports.write_index(Path(args.out))  # the gallery shows what the folder holds
     print(f"wrote {path}")
     return 0
@@ -188,57 +190,101 @@ def _positive(text: str) -> int:
     return n
 
 
-def build_parser() -> argparse.ArgumentParser:
+def _add_study(p, name: str) -> None:
+    from lab.configs import add_flags
+    from lab.studies import study_module
+
+    add_flags(p, study_module(name).Config)
+    p.add_argument("--out", type=_folder, default=None, help=f"run folder (default runs/{name}/...)")
+
+
+def _add_estimators(p) -> None:
+    p.add_argument("--preset", default=None, metavar="SYSTEM[:NAME]",
+                   help="list a trainer's presets and the lab composition each maps to (verl, or verl:NAME)")
+
+
+def _add_train(p) -> None:
     from lab.configs import add_flags
     from lab.engine.training import TrainConfig
-    from lab.studies import variance
 
+    add_flags(p, TrainConfig)
+    p.add_argument("--out", type=_folder, default=None, help="run folder (default runs/train/ENV-EST-N-REGIME-seedS)")
+    p.add_argument("--rollout-log", action="store_true",
+                   help="also write every mini-batch as a neutral rollout log in OUT/rollout_log (see `lab diagnose`)")
+
+
+def _add_sweep(p) -> None:
+    p.add_argument("spec", help="sweep spec (YAML with name, kind, base, grid; see sweeps/example.yaml)")
+    p.add_argument("--device", default=None, help="run every cell on this device (cpu | cuda), over the spec's base")
+    p.add_argument("--executor", default="local", help="local (process pool) | ray")
+    p.add_argument("--workers", type=_positive, default=None, help="parallel workers (default: all CPUs)")
+    p.add_argument("--address", default=None, help="Ray cluster address (default: a local Ray instance)")
+    p.add_argument("--out", type=_folder, default=None, help="results folder (default runs/sweeps/NAME); rerun to resume")
+
+
+def _add_report(p) -> None:
+    p.add_argument("name", nargs="?", help="report name (lab report --list shows them)")
+    p.add_argument("-p", "--param", action="append", metavar="KEY=VALUE",
+                   help="a parameter (lists: a,b,c or JSON); overrides the same one in -f")
+    p.add_argument("-f", "--file", default=None, metavar="PARAMS.yaml", help="parameters from a YAML file")
+    p.add_argument("--params", action="store_true", help="list the report's parameters with types and defaults")
+    p.add_argument("--all", action="store_true", help="build the gallery's reports with their defaults and the index")
+    p.add_argument("--smoke", action="store_true", help="build with each report's small values (a quick check)")
+    p.add_argument("--out", type=_folder, default="reports", help="reports folder")
+    p.add_argument("--workers", type=_positive, default=1, help="with --all: reports built at a time (one process each)")
+
+
+# command: (help, flag builder, handler); flags are built for the command being run only, so `lab --help` and the
+# listing commands import nothing heavy
+COMMANDS = {
+    "envs": ("list toy environments", None, cmd_envs),
+    "estimators": ("list estimators with defaults and sources", _add_estimators, cmd_estimators),
+    "study": ("run any study: `lab study NAME --help` lists its flags (its Config's fields)", None, cmd_study),
+    "variance": ("the variance study (= lab study variance): every estimator on the same batches",
+                 lambda p: _add_study(p, "variance"), cmd_study),
+    "train": ("one training run under staleness (sync mini-batching, async lag, mismatch)", _add_train, cmd_train),
+    "sweep": ("many training runs from a YAML grid; resumable; local pool or Ray", _add_sweep, cmd_sweep),
+    "report": ("build a report notebook into reports/ with an HTML export, or the whole gallery", _add_report,
+               cmd_report),
+}
+# commands whose module registers its own parser (``add_parser(subparsers)``), imported only when run
+REGISTERED = {"diagnose": ("lab.diagnose.cli", "importance-weight diagnostics of a training run's rollout logs"),
+              "pretrain": ("lab.pretrain", "supervised warm start of a transformer on a task (cached per user)")}
+
+
+def build_parser(argv=None) -> argparse.ArgumentParser:
+    """The ``lab`` parser; only the command named in ``argv`` gets its flags (and imports what they need)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    chosen = next((a for a in argv if not a.startswith("-")), None)
     p = _Parser(prog="lab", description="Off-policy variance lab: bias, variance and MSE of gradient corrections.")
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
-    sub.add_parser("envs", help="list toy environments").set_defaults(func=cmd_envs)
-    e = sub.add_parser("estimators", help="list estimators with defaults and sources")
-    e.add_argument("--preset", default=None, metavar="SYSTEM[:NAME]",
-                   help="list a trainer's presets and the lab composition each maps to (verl, or verl:NAME)")
-    e.set_defaults(func=cmd_estimators)
+    for name, (help_text, add, handler) in COMMANDS.items():
+        s = sub.add_parser(name, help=help_text, description=help_text)
+        s.set_defaults(func=handler, study="variance" if name == "variance" else None)
+        if name != chosen:
+            continue
+        if name == "study":
+            _add_study_command(s, argv[argv.index("study") + 1:])
+        elif add:
+            add(s)
+    for name, (module, help_text) in REGISTERED.items():
+        if name == chosen:
+            import importlib
 
-    v = sub.add_parser("variance", help="one variance study: every estimator on the same batches")
-    add_flags(v, variance.Config)
-    v.add_argument("--out", type=_folder, default=None, help="run folder (default runs/variance/ENV-KIND-seedN)")
-    v.set_defaults(func=cmd_variance)
-
-    t = sub.add_parser("train", help="one training run under staleness (sync mini-batching, async lag, mismatch)")
-    add_flags(t, TrainConfig)
-    t.add_argument("--out", type=_folder, default=None, help="run folder (default runs/train/ENV-EST-N-REGIME-seedS)")
-    t.add_argument("--rollout-log", action="store_true",
-                   help="also write every mini-batch as a neutral rollout log in OUT/rollout_log (see `lab diagnose`)")
-    t.set_defaults(func=cmd_train)
-
-    w = sub.add_parser("sweep", help="many training runs from a YAML grid; resumable; local pool or Ray")
-    w.add_argument("spec", help="sweep spec (YAML with name, kind, base, grid; see sweeps/example.yaml)")
-    w.add_argument("--device", default=None, help="run every cell on this device (cpu | cuda), over the spec's base")
-    w.add_argument("--executor", default="local", help="local (process pool) | ray")
-    w.add_argument("--workers", type=_positive, default=None, help="parallel workers (default: all CPUs)")
-    w.add_argument("--address", default=None, help="Ray cluster address (default: a local Ray instance)")
-    w.add_argument("--out", type=_folder, default=None, help="results folder (default runs/sweeps/NAME); rerun to resume")
-    w.set_defaults(func=cmd_sweep)
-
-    r = sub.add_parser("report", help="execute a report notebook into reports/ with an HTML export")
-    r.add_argument("name", nargs="?", help="report name")
-    r.add_argument("-p", "--param", action="append", metavar="KEY=VALUE",
-                   help="notebook parameter (lists: a,b,c or JSON)")
-    r.add_argument("-f", "--file", default=None, metavar="PARAMS.yaml", help="notebook parameters from a YAML file")
-    r.add_argument("--params", action="store_true", help="list the report's parameters with types and defaults")
-    r.add_argument("--all", action="store_true", help="build every report with its defaults and the gallery")
-    r.add_argument("--out", type=_folder, default="reports", help="reports folder")
-    r.add_argument("--workers", type=_positive, default=1, help="with --all: reports built at a time (one kernel each)")
-    r.set_defaults(func=cmd_report)
-
-    from lab.diagnose.cli import add_parser as add_diagnose
-    from lab.pretrain import add_parser as add_pretrain
-
-    add_diagnose(sub)
-    add_pretrain(sub)
+            importlib.import_module(module).add_parser(sub)
+        else:
+            sub.add_parser(name, help=help_text)
     return p
+
+
+def _add_study_command(p, rest: list) -> None:
+    from lab.studies import studies
+
+    known = list(studies())
+    p.add_argument("study", choices=known, metavar="NAME", help=f"the study ({', '.join(known)})")
+    name = next((a for a in rest if not a.startswith("-")), None)
+    if name in known:
+        _add_study(p, name)
 
 
 def _terminate(signum, frame):
@@ -253,11 +299,15 @@ def main(argv=None) -> int:
     for sig in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, _terminate)
     try:
-        args = build_parser().parse_args(argv)
+        argv = list(sys.argv[1:] if argv is None else argv)
+        args = build_parser(argv).parse_args(argv)
         return args.func(args)
     except LabError as e:
         _say(f"error: {e}")
         return 2
+    except BrokenPipeError:  # the reader went away (`lab estimators | head`): nothing more to say
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     except OSError as e:  # a full disk, a vanished folder: one line; staging was removed on the way out
         where = f" ({e.filename})" if e.filename else ""
         _say(f"error: {e.strerror or e}{where}; nothing half-written was kept: free the space or fix the path, then "

@@ -51,8 +51,9 @@ def value(text: str):
         raise
 
 
-def pairs(items, what: str) -> dict:
-    """Repeated KEY=VALUE as {key: value}; a key given twice is refused."""
+def pairs(items, what: str, parse: bool = True) -> dict:
+    """Repeated KEY=VALUE as {key: value} (``parse``: values read as JSON where they are, else kept as text); a key
+    given twice is refused."""
     out = {}
     for item in items or []:
         if "=" not in item:
@@ -63,7 +64,7 @@ def pairs(items, what: str) -> dict:
             raise LabError(f"{what} {item!r} names no key; write key=value")
         if k in out:
             raise LabError(f"{what} gives {k!r} twice; give each key once")
-        out[k] = value(v.strip())
+        out[k] = value(v.strip()) if parse else v.strip()
     return out
 
 

@@ -224,3 +224,26 @@ def check_overrides(cls, overrides: dict, what: str, fixed=()) -> dict:
     if unknown:
         raise LabError(f"unknown {what}(s) {', '.join(map(str, unknown))}; settable: {', '.join(sorted(tps))}")
     return {k: check_value(v, tps[k], f"{what} {k}") for k, v in overrides.items()}
+
+
+def build(cls, data):
+    """An instance of dataclass ``cls`` from JSON-ready ``data`` (a study's summary.json): nested dataclasses, lists
+    and mappings of them are rebuilt from the annotations; keys the class does not declare are ignored."""
+    tps = hints(cls)
+    return cls(**{f.name: _build(tps[f.name], data[f.name]) for f in fields(cls) if f.name in data})
+
+
+def _build(tp, value):
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if value is None:
+        return None
+    if dataclasses.is_dataclass(tp):
+        return build(tp, value)
+    if origin in (typing.Union, types.UnionType):
+        inner = [a for a in args if a is not type(None)]
+        return _build(inner[0], value) if len(inner) == 1 else value
+    if origin is list and args:
+        return [_build(args[0], v) for v in value]
+    if origin is dict and len(args) == 2:
+        return {k: _build(args[1], v) for k, v in value.items()}
+    return value

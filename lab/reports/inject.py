@@ -55,10 +55,7 @@ def cell(parameters: dict, comment: str = "Parameters") -> str:
             raise LabError(f"{name!r} is not a parameter name")
         lines.append(f"{name} = {literal(value, name)}")
     source = "\n".join(lines) + "\n"
-    for stmt in ast.parse(source).body:
-        if not (isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Name)):
-            raise LabError("the parameters cell would hold more than assignments of data")
-        ast.literal_eval(stmt.value)
+    _only_data(source)
     return source
 
 
@@ -74,3 +71,33 @@ def register() -> None:
     """Use ``DataTranslator`` for the lab's kernel and for Python notebooks (idempotent)."""
     for name in (KERNEL, "python"):
         papermill_translators.register(name, DataTranslator)
+
+
+def parameters_cell(cfg, given=(), out_dir: str | None = None, name: str = "NAME") -> str:
+    """The cell a report notebook receives: every field of its config ``cfg`` as ``name = literal  # type: help``
+    (the values the config holds after its checks), then the driver's ``out_dir``; verified like ``cell``."""
+    from dataclasses import asdict, fields
+
+    from lab.configs import field_docs
+    from lab.typed import describe, hints
+
+    cls = type(cfg)
+    docs, tps, values = field_docs(cls), hints(cls), asdict(cfg)
+    lines = [f"# Parameters: {cls.__module__}.{cls.__qualname__} (their help: `lab report {name} --params`); "
+             f"given: {', '.join(given) or 'none, the defaults'}"]
+    for f in fields(cfg):
+        if not f.name.isidentifier() or keyword.iskeyword(f.name):
+            raise LabError(f"{f.name!r} is not a parameter name")
+        note = " ".join(f"{describe(tps[f.name])}: {docs.get(f.name, '')}".split())
+        lines.append(f"{f.name} = {literal(values[f.name], f.name)}  # {note}")
+    lines.append(f"out_dir = {literal(out_dir, 'out_dir')}  # where the driver keeps the run folder")
+    source = "\n".join(lines) + "\n"
+    _only_data(source)
+    return source
+
+
+def _only_data(source: str) -> None:
+    for stmt in ast.parse(source).body:
+        if not (isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Name)):
+            raise LabError("the parameters cell would hold more than assignments of data")
+        ast.literal_eval(stmt.value)

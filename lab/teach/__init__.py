@@ -31,6 +31,11 @@ class Lesson:
         """The slug of the lesson's static page (``lab.teach.pages``)."""
         return self.name.removeprefix("teach_")
 
+    @property
+    def module(self) -> str:
+        """The lesson's module, whose ``Config`` holds its parameters."""
+        return f"lab.teach.{self.page}"
+
 
 LESSONS = (
     Lesson("teach_weight_explosion", "notebooks/teach/01_weight_explosion.ipynb",

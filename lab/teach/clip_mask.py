@@ -32,6 +32,28 @@ from lab.errors import LabError
 from lab.teach import hashrng, tokens
 from lab.teach.exercises import Exercise
 from lab.teach.threads import single_threaded
+from dataclasses import dataclass
+
+from lab.configs import SEED_MAX
+from lab.typed import knob
+
+
+@dataclass
+class Config:
+    """The lesson's settings (its report's parameters)."""
+
+    vocab: int = knob(64, ge=2, le=100_000)
+    """next-token vocabulary size V"""
+    kl: float = knob(0.1, gt=0, le=10)
+    """per-token KL(mu || pi) of the detailed look"""
+    kls: list[float] = knob([0.01, 0.02, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.6, 0.8, 1.0], gt=0, le=10)
+    """staleness sweep"""
+    sharpness: float = knob(2.0, ge=0, le=100)
+    """logit scale of pi"""
+    seed: int = knob(0, ge=0, le=SEED_MAX)
+    """draw of pi, mu's direction and the rewards"""
+    live_controls: bool = True
+    """build the ipywidgets controls (needs a widget frontend to be seen)"""
 
 METHODS = ("token_is", "ppo_clip", "tis_token", "mis_token", "cispo", "sapo")
 LABELS = {"token_is": "importance sampling", "ppo_clip": "PPO clip", "tis_token": "TIS (cap)",

@@ -36,6 +36,36 @@ from lab.estimators.gvpo import gvpo_weights
 from lab.teach import hashrng, tokens
 from lab.teach.exercises import Exercise
 from lab.teach.threads import single_threaded
+from dataclasses import dataclass
+
+from lab.configs import SEED_MAX
+from lab.typed import knob
+
+
+@dataclass
+class Config:
+    """The lesson's settings (its report's parameters)."""
+
+    n: int = knob(8, ge=2, le=100_000)
+    """responses to the prompt"""
+    beta: float = knob(0.5, gt=0, le=100)
+    """KL strength"""
+    steps: int = knob(300, ge=1, le=1_000_000)
+    """gradient steps on the expected loss"""
+    lr: float = knob(1.0, gt=0, le=100)
+    """step size in units of 1/beta^2 (stable below 2 / max mu)"""
+    sampled_steps: int = knob(150, ge=1, le=1_000_000)
+    """SGD steps on sampled groups with the lab's gvpo loss"""
+    groups: int = knob(8, ge=1, le=100_000)
+    """groups per step"""
+    group_size: int = knob(4, ge=2, le=10_000)
+    """responses per group (k)"""
+    seed: int = knob(0, ge=0, le=SEED_MAX)
+    """draw of pi_ref, the rewards and the samples"""
+    sharpness: float = knob(1.0, ge=0, le=100)
+    """logit scale of pi_ref"""
+    live_controls: bool = True
+    """build the ipywidgets controls (needs a widget frontend to be seen)"""
 
 SAMPLERS = ("on-policy", "reference", "uniform", "low-reward", "partial")
 SAMPLER_TEXT = {"on-policy": "the current policy (stop-gradient)", "reference": "pi_ref",

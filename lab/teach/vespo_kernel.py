@@ -31,6 +31,35 @@ from lab.errors import LabError
 from lab.estimators import vespo
 from lab.teach import tokens
 from lab.teach.exercises import Exercise
+from dataclasses import dataclass
+
+from lab.configs import SEED_MAX
+from lab.typed import knob
+
+
+@dataclass
+class Config:
+    """The lesson's settings (its report's parameters)."""
+
+    kernels: list[list[float]] = knob([[2.0, 3.0], [3.0, 2.0], [1.0, 1.0], [0.5, 1.0], [1.5, 0.5], [4.0, 1.0]], ge=0,
+                                      le=100)
+    """(k, lambda) pairs"""
+    vocab: int = knob(4, ge=2, le=64)
+    """tokens per position (V^T responses are enumerated)"""
+    length: int = knob(6, ge=1, le=16)
+    """response length T of the detailed look"""
+    kl: float = knob(0.1, gt=0, le=10)
+    """per-token KL(mu || pi) of the detailed look"""
+    kls: list[float] = knob([0.02, 0.05, 0.1, 0.2, 0.3, 0.5], gt=0, le=10)
+    """staleness sweep for the bound check"""
+    lengths: list[int] = knob([1, 2, 4, 6], ge=1, le=16)
+    """lengths for the bound check"""
+    seeds: list[int] = knob([0, 1, 2], ge=0, le=SEED_MAX)
+    """draws of pi and mu's direction"""
+    sharpness: float = knob(1.0, ge=0, le=100)
+    """logit scale of pi"""
+    live_controls: bool = True
+    """build the ipywidgets controls (needs a widget frontend to be seen)"""
 
 ENUM_LIMIT = 1 << 18
 KERNELS = ((2.0, 3.0), (3.0, 2.0))  # VESPO's (k, lambda) for A >= 0 and A < 0

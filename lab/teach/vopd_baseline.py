@@ -34,6 +34,30 @@ from lab.errors import LabError
 from lab.teach import hashrng, tokens
 from lab.teach.exercises import Exercise
 from lab.teach.threads import single_threaded
+from dataclasses import dataclass
+
+from lab.configs import SEED_MAX
+from lab.typed import knob
+
+
+@dataclass
+class Config:
+    """The lesson's settings (its report's parameters)."""
+
+    vocabs: list[int] = knob([2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 128, 256], ge=2, le=1_000_000)
+    """vocabulary sizes of the random-teacher sweep"""
+    draws: int = knob(400, ge=2, le=1_000_000)
+    """random (student, teacher) pairs per vocabulary size"""
+    settings: list[list[float]] = knob([[1.0, 0.0], [3.0, 0.0], [1.0, 0.9]], ge=0, le=100)
+    """(logit scale, teacher closeness to the student)"""
+    example_vocabs: list[int] = knob([3, 64], ge=2, le=1_000_000)
+    """the two states of Figure 1"""
+    mc_samples: int = knob(4000, ge=2, le=10_000_000)
+    """sampled tokens for the Monte Carlo check"""
+    seed: int = knob(0, ge=0, le=SEED_MAX)
+    """draw of the states and the samples"""
+    live_controls: bool = True
+    """build the ipywidgets controls (needs a widget frontend to be seen)"""
 
 TEACHER_STREAM, STUDENT_STREAM = 3_000_000, 4_000_000
 DEFAULT_VOCABS = (2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 128, 256)

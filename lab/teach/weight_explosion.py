@@ -31,6 +31,32 @@ from lab.errors import LabError
 from lab.teach import tokens
 from lab.teach.exercises import Exercise
 from lab.teach.threads import single_threaded
+from dataclasses import dataclass
+
+from lab.configs import SEED_MAX
+from lab.typed import knob
+
+
+@dataclass
+class Config:
+    """The lesson's settings (its report's parameters)."""
+
+    kls: list[float] = knob([0.001, 0.01, 0.05, 0.2], gt=0, le=10)
+    """per-token KL(mu || pi) settings"""
+    lengths: list[int] = knob([1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024], ge=1, le=100_000)
+    """response lengths T"""
+    vocab: int = knob(32, ge=2, le=100_000)
+    """next-token vocabulary size V"""
+    batch: int = knob(256, ge=2, le=1_000_000)
+    """sequences per sampled batch"""
+    replicates: int = knob(8, ge=1, le=10_000)
+    """sampled batches per (KL, length)"""
+    sharpness: float = knob(2.0, ge=0, le=100)
+    """logit scale of pi (larger: more peaked)"""
+    seed: int = knob(0, ge=0, le=SEED_MAX)
+    """seed of pi, mu and the draws"""
+    live_controls: bool = True
+    """build the ipywidgets controls (needs a widget frontend to be seen)"""
 
 DEFAULT_LENGTHS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 

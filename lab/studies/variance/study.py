@@ -13,7 +13,7 @@ that error from ||g*||^2 (``lab.engine.metrics``).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Literal
 
 import numpy as np
@@ -69,7 +69,8 @@ class Config:
     values: list[float] = knob([0, 1, 2, 4, 8, 16, 32, 64], ge=0, le=1e6)
     """staleness settings"""
     estimators: list[str] = knob(list(DEFAULT_ESTIMATORS))
-    """estimator names (see `lab estimators`)"""
+    """estimator names (see `lab estimators`; verl:NAME for a verl preset), or all: every policy-gradient estimator
+    this study can run"""
     hyper: dict = knob({}, parse="estimator_pairs")
     """hyper-parameter overrides, e.g. ppo_clip.clip_ratio_c=3.0"""
     advantage: Literal[ADVANTAGES] = "rloo"
@@ -139,9 +140,15 @@ class Config:
         log_p = torch.log(support.weights * problem.env.n_prompts).reshape(problem.env.n_prompts, -1)
         return problem.policy.params_for(problem.env, log_p)
 
+    def names(self) -> list[str]:
+        """The estimator names, ``all`` expanded to every applicable registered estimator."""
+        if self.estimators == ["all"]:
+            return [n for n in estimators.names() if applicable(n)]
+        return list(self.estimators)
+
     def resolved(self) -> list[Estimator]:
         """The estimators, resolved once (registry entry, hyper-parameters, aggregation)."""
-        return [Estimator.resolve(n, self.hyper.get(n, {}), self.loss_agg_mode) for n in self.estimators]
+        return [Estimator.resolve(n, self.hyper.get(n, {}), self.loss_agg_mode) for n in self.names()]
 
     def validate(self) -> None:
         check_types(self)
@@ -211,11 +218,11 @@ class Config:
         if not self.estimators:
             raise LabError("give at least one estimator")
         check_unique("estimators", self.estimators)
-        for name in self.estimators:
+        for name in self.names():
             info = estimators.info(name)
             if info.family == "distillation":
                 raise LabError(f"estimator {name!r} distils a teacher and has its own target; use the distillation "
-                               f"study (`lab report opd_variance`)")
+                               f"study (`lab report distillation`)")
             Estimator.resolve(name, self.hyper.get(name, {}), self.loss_agg_mode).check_inputs(PROVIDED_INPUTS)
             if not applicable(name):
                 raise LabError(f"estimator {name!r} is a KL penalty: its gradient targets a divergence, not grad J; "
@@ -223,9 +230,56 @@ class Config:
             if "group_size" in info.inputs and self.group_size < 2:
                 raise LabError(f"estimator {name!r} needs groups of at least 2 responses per prompt; "
                                f"raise --group-size")
-        unknown = set(self.hyper) - set(self.estimators)
+        unknown = set(self.hyper) - set(self.names())
         if unknown:
             raise LabError(f"hyper-parameters given for estimator(s) not in the study: {', '.join(sorted(unknown))}")
+
+
+SMOKE = {"replicates": 40, "values": [0, 4], "n_boot": 200}  # seconds: what the tests build
+
+
+@dataclass
+class Setting:
+    """One staleness value: mu's exact (or Monte Carlo) divergence from pi, the weight diagnostics [value, lo, hi],
+    and per estimator its metrics (``estimators[name][metric]``) with their intervals (``intervals``: [lo, hi])."""
+
+    staleness: float
+    kl_seq: float
+    kl_token: float
+    chi2_seq: float
+    chi2_token: float
+    logw_var: float
+    mean_len: float
+    ess_frac: list[float]
+    khat: list[float]
+    estimators: dict[str, dict[str, float]]
+    intervals: dict[str, dict[str, list[float]]]
+    divergence_intervals: dict[str, list[float]]
+
+    def point(self, name: str, metric: str) -> tuple[float, float, float]:
+        """(value, lo, hi) of an estimator's metric."""
+        return (self.estimators[name][metric], *self.intervals[name][metric])
+
+
+@dataclass
+class Summary:
+    """What a variance study found (summary.json)."""
+
+    study: str
+    env: str
+    policy: str
+    parameters: int  # D, the policy's parameter count
+    response_length: int
+    staleness: str  # the staleness kind
+    reference: str  # exact | mc
+    reference_pairs: int
+    target_grad_norm: float
+    target_grad_se: float  # the Monte Carlo reference's standard error (nan: exact)
+    loss_agg_modes: dict[str, str]
+    objective: float  # J(pi)
+    best_by_mse: dict[str, str | None]  # staleness value -> the lowest-MSE estimator, None if none beats 0
+    per_value: list[Setting]
+    config: dict  # the sampling settings behind every setting
 
 
 def applicable(name: str) -> bool:
@@ -293,23 +347,14 @@ def run(cfg: Config, progress: bool | None = None) -> StudyResult:
                           "estimators": points, "intervals": intervals,
                           "divergence_intervals": {m: [lo, hi] for m, (_, lo, hi) in div_ci.items()}})
     bars.close()
-    summary = {
-        "study": "variance",
-        "env": env.name,
-        "policy": cfg.policy,
-        "parameters": int(np.prod(problem.policy.shape)),
-        "response_length": env.length,
-        "staleness": cfg.staleness,
-        "reference": cfg.reference,
-        "reference_pairs": int(support_pi.prompts.shape[0]),
-        "target_grad_norm": float(grad_j.norm()),
-        "target_grad_se": grad_j_se,
-        "loss_agg_modes": {e.name: e.loss_agg_mode for e in ests},
-        "objective": float((support_pi.weights * env.expected_reward(support_pi.prompts, support_pi.tokens,
-                                                                        support_pi.mask)).sum()),
-        "best_by_mse": {str(e["staleness"]): best_by_mse(e["estimators"]) for e in per_value},
-        "per_value": per_value,
-        "config": {k: getattr(cfg, k) for k in ("batch_size", "group_size", "advantage", "loss_agg_mode",
-                                                "replicates")},
-    }
-    return StudyResult(pd.DataFrame(rows), summary)
+    summary = Summary(
+        study="variance", env=env.name, policy=cfg.policy, parameters=int(np.prod(problem.policy.shape)),
+        response_length=env.length, staleness=cfg.staleness, reference=cfg.reference,
+        reference_pairs=int(support_pi.prompts.shape[0]), target_grad_norm=float(grad_j.norm()),
+        target_grad_se=grad_j_se, loss_agg_modes={e.name: e.loss_agg_mode for e in ests},
+        objective=float((support_pi.weights * env.expected_reward(support_pi.prompts, support_pi.tokens,
+                                                                    support_pi.mask)).sum()),
+        best_by_mse={str(e["staleness"]): best_by_mse(e["estimators"]) for e in per_value},
+        per_value=[Setting(**e) for e in per_value],
+        config={k: getattr(cfg, k) for k in ("batch_size", "group_size", "advantage", "loss_agg_mode", "replicates")})
+    return StudyResult(pd.DataFrame(rows), asdict(summary))
