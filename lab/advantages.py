@@ -15,7 +15,7 @@ takes the rewards.
 """
 from __future__ import annotations
 
-import torch
+from lab.lazy import torch
 
 from lab.errors import LabError
 

@@ -6,6 +6,7 @@ status 2 and one line on stderr: ``error: what was wrong; what to do``.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import json
 import time

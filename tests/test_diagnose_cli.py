@@ -33,7 +33,7 @@ def test_run_folder_holds_every_table(sim, tmp_path, capsys):
     out = tmp_path / "run"
     assert main([str(sim), "--out", str(out)]) == 0
     printed = capsys.readouterr().out
-    assert {p.name for p in out.iterdir()} == {"config.json", "results.parquet", "summary.json",
+    assert {p.name for p in out.iterdir()} == {".lab", "config.json", "results.parquet", "summary.json",
                                                *(f"{t}.parquet" for t in TABLES)}
     summary = json.loads((out / "summary.json").read_text())
     config = json.loads((out / "config.json").read_text())
@@ -78,7 +78,7 @@ def test_failures_write_nothing(sim, tmp_path, capsys):
     foreign.mkdir()
     (foreign / "notes.txt").write_text("mine")
     assert main([str(sim), "--out", str(foreign)]) == 2
-    assert "not a run folder" in capsys.readouterr().err and (foreign / "notes.txt").read_text() == "mine"
+    assert "the lab did not write" in capsys.readouterr().err and (foreign / "notes.txt").read_text() == "mine"
     tok = pd.read_parquet(sim / "tokens.parquet")
     tok.loc[tok.index[tok["loss_mask"]][5], "sampler_logp"] = np.nan
     bad = tmp_path / "bad"
@@ -143,7 +143,7 @@ def test_output_paths_are_checked_before_any_work(prime, tmp_path, capsys):
         (["--out", str(tmp_path / "x"), "--save-log", str(tmp_path / "x")], "--out", "give them separate folders"),
         (["--out", str(tmp_path / "x" / "run"), "--save-log", str(tmp_path / "x")], "lies inside --save-log",
          "give them separate folders"),
-        (["--out", str(tmp_path / "afile")], "exists and is not a run folder", "--out"),
+        (["--out", str(tmp_path / "afile")], "is a file", "--out"),
         (["--save-log", str(tmp_path / "afile")], "exists and is not a rollout log folder", "another path"),
         (["--nan", "ignore"], "nan must be 'error' or 'drop'", ""),
         (["--pair", "both"], "pair must be natural, total, mismatch or update", ""),
@@ -164,7 +164,7 @@ def test_outputs_under_missing_parents_and_notes(prime, tmp_path, capsys):
     assert "note: 1 records without loss-masked tokens skipped" in printed
     assert printed[-2:] == [f"wrote {save}", f"wrote {out}"]
     assert (save / "meta.json").exists() and (out / "summary.json").exists()
-    assert not [p for p in tmp_path.rglob(".*")]
+    assert not [p for p in tmp_path.rglob(".*") if p.name != ".lab"]  # no staging left; each output is marked
 
 
 def test_no_partial_output(prime, tmp_path, capsys, monkeypatch):

@@ -57,28 +57,27 @@ def test_papermill_uses_the_data_translator_for_the_lab_kernel():
     assert "p = 'x'" in translate_parameters("python3", "python", {"p": "x"}, "Parameters")
 
 
-@pytest.mark.parametrize("text", ["simulate:\n  steps: !!binary aGVsbG8=\n", "lm_prompts: [!!binary aGVsbG8=]\n",
+@pytest.mark.parametrize("text", ["env_overrides:\n  length: !!binary aGVsbG8=\n", "estimators: [!!binary aGVsbG8=]\n",
                                   "x: !!python/object/apply:os.system ['touch PWNED']\n", "x: !!set {a, b}\n",
                                   "x: !custom 1\n"])
 def test_report_parameter_files_with_tags_are_one_line_before_any_kernel(text, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     Path("p.yaml").write_text(text)
-    assert main(["report", "rollout_diagnostics", "-f", "p.yaml", "--out", "reports"]) == 2
+    assert main(["report", "variance", "-f", "p.yaml", "--out", "reports"]) == 2
     one_line(capsys, "YAML tag")
     assert sorted(os.listdir(tmp_path)) == ["p.yaml"]
 
 
-def test_a_crafted_string_parameter_reaches_the_notebook_as_that_string(tmp_path, monkeypatch, capsys):
-    """A real kernel: the payload is a string the study refuses, never code that runs."""
+def test_a_crafted_string_parameter_reaches_the_notebook_as_that_string(tmp_path, monkeypatch):
+    """A real kernel: the payload is a string the study keeps (an hf policy's trainable subset, unused by a prefix
+    policy), never code that runs."""
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setenv("LAB_FAILED_REPORTS", str(tmp_path / "failed"))
-    assert main(["report", "rollout_diagnostics", "-p", f"nan={PAYLOAD}", "--out", "reports"]) == 2
-    assert "failed in cell" in capsys.readouterr().err
+    assert main(["report", "variance", "--smoke", "-p", f"params={PAYLOAD}", "--out", "reports"]) == 0
     assert not (tmp_path / "PWNED").exists() and not (ROOT / "PWNED").exists()
-    kept = next((tmp_path / "failed").glob("*.ipynb"))
-    source = json.loads(kept.read_text())["cells"]
-    injected = next(c for c in source if "injected-parameters" in c["metadata"].get("tags", []))
-    assert f"nan = {PAYLOAD!r}" in "".join(injected["source"])
+    assert json.loads((tmp_path / "reports" / "variance" / "config.json").read_text())["params"] == PAYLOAD
+    nb = json.loads((tmp_path / "reports" / "variance" / "variance.ipynb").read_text())
+    injected = next(c for c in nb["cells"] if "injected-parameters" in c["metadata"].get("tags", []))
+    assert f"params = {PAYLOAD!r}" in "".join(injected["source"])
 
 
 # ---------------------------------------------------------------------------------------------- bounded inputs
@@ -91,8 +90,8 @@ def test_alias_bombs_are_refused_in_milliseconds_and_leave_nothing(what, tmp_pat
                                   + "grid: {seed: [0]}\n")
         argv = ["sweep", "s.yaml", "--out", "out"]
     else:
-        Path("s.yaml").write_text("simulate:\n" + "".join("  " + ln + "\n" for ln in BOMB.splitlines()))
-        argv = ["report", "rollout_diagnostics", "-f", "s.yaml", "--out", "out"]
+        Path("s.yaml").write_text("env_overrides:\n" + "".join("  " + ln + "\n" for ln in BOMB.splitlines()))
+        argv = ["report", "variance", "-f", "s.yaml", "--out", "out"]
     t0 = time.perf_counter()
     assert main(argv) == 2
     assert time.perf_counter() - t0 < 5
@@ -124,7 +123,7 @@ def test_bad_spec_files_are_one_line(content, needle, tmp_path, monkeypatch, cap
     assert main(["sweep", "s.yaml", "--out", "out"]) == 2
     one_line(capsys, "")
     assert sorted(os.listdir(tmp_path)) == ["s.yaml"]
-    assert main(["report", "rollout_diagnostics", "-f", "s.yaml", "--out", "out"]) == 2
+    assert main(["report", "variance", "-f", "s.yaml", "--out", "out"]) == 2
     one_line(capsys, "")
     assert sorted(os.listdir(tmp_path)) == ["s.yaml"]
 
@@ -132,7 +131,7 @@ def test_bad_spec_files_are_one_line(content, needle, tmp_path, monkeypatch, cap
 def test_a_folder_given_as_a_file_says_so(tmp_path, capsys):
     assert main(["sweep", str(tmp_path)]) == 2
     one_line(capsys, "is a folder; pass the file itself")
-    assert main(["report", "rollout_diagnostics", "-f", str(tmp_path)]) == 2
+    assert main(["report", "variance", "-f", str(tmp_path)]) == 2
     one_line(capsys, "is a folder; pass the file itself")
 
 
@@ -174,7 +173,7 @@ def test_values_that_ran_silently_wrong_or_crashed_are_one_line(argv, needle, tm
 
 def test_a_repeated_key_in_a_params_file_is_refused(tmp_path, capsys):
     (tmp_path / "p.yaml").write_text("seed: 1\nseed: 2\n")
-    assert main(["report", "rollout_diagnostics", "-f", str(tmp_path / "p.yaml"), "--out", str(tmp_path / "r")]) == 2
+    assert main(["report", "variance", "-f", str(tmp_path / "p.yaml"), "--out", str(tmp_path / "r")]) == 2
     one_line(capsys, "gives the key 'seed' twice")
 
 
@@ -212,13 +211,13 @@ def test_report_out_never_overwrites_a_foreign_index_or_hidden_folder(tmp_path, 
     out = tmp_path / "site"
     out.mkdir()
     (out / "index.html").write_text("<h1>my site</h1>")
-    (out / ".rollout_diagnostics.cache").mkdir()  # a user's hidden folder named like a staging leftover
-    assert main(["report", "rollout_diagnostics", "--out", str(out)]) == 2
+    (out / ".variance.cache").mkdir()  # a user's hidden folder named like a staging leftover
+    assert main(["report", "variance", "--out", str(out)]) == 2
     one_line(capsys, "the lab did not write it")
-    assert (out / "index.html").read_text() == "<h1>my site</h1>" and (out / ".rollout_diagnostics.cache").is_dir()
+    assert (out / "index.html").read_text() == "<h1>my site</h1>" and (out / ".variance.cache").is_dir()
     assert main(["report", "--all", "--out", str(out)]) == 2
     one_line(capsys, "the lab did not write it")
-    assert sorted(p.name for p in out.iterdir()) == [".rollout_diagnostics.cache", "index.html"]
+    assert sorted(p.name for p in out.iterdir()) == [".variance.cache", "index.html"]
 
 
 def test_temporary_files_are_never_written_through_planted_links(tmp_path):
@@ -273,7 +272,7 @@ def test_an_unusable_cache_folder_is_found_before_any_training(tmp_path, monkeyp
 def test_failed_reports_folder_that_is_a_file_is_one_clear_line(tmp_path, monkeypatch, capsys):
     (tmp_path / "afile").write_text("x")
     monkeypatch.setenv("LAB_FAILED_REPORTS", str(tmp_path / "afile"))
-    assert main(["report", "rollout_diagnostics", "--out", str(tmp_path / "r")]) == 2
+    assert main(["report", "variance", "--out", str(tmp_path / "r")]) == 2
     one_line(capsys, "LAB_FAILED_REPORTS")
 
 

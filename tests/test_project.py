@@ -10,7 +10,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_environment_yml_matches_pyproject():
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    wanted = set(project["dependencies"]) | set(project["optional-dependencies"]["test"])
+    extras = project["optional-dependencies"]
+    wanted = set(project["dependencies"]).union(*(v for k, v in extras.items() if k != "all"))
+    assert extras["all"] == [f"offpolicy-variance-lab[{','.join(k for k in extras if k not in ('all', 'test'))}]"]
     env = yaml.safe_load((ROOT / "environment.yml").read_text())
     assert "python=3.11" in env["dependencies"]
     pip = next(d["pip"] for d in env["dependencies"] if isinstance(d, dict))

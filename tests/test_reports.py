@@ -2,7 +2,6 @@
 headless Chromium rendering of the page."""
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import re
@@ -19,7 +18,7 @@ from lab import reports
 from lab.reports import figures
 from lab.errors import LabError
 
-NAME = "estimator_variance"
+NAME = "variance"
 SMALL = {"replicates": 40, "values": [0, 4]}
 RUN_FILES = {"config.json", "results.parquet", "summary.json"}
 LAB = Path(sys.executable).parent / "lab"
@@ -67,16 +66,16 @@ def test_html_answers_the_question(page):
 def test_gallery_index_links_each_report_with_its_headline(gallery):
     index = (gallery / "index.html").read_text(encoding="utf-8")
     assert f'href="{NAME}/{NAME}.html"' in index
-    assert reports.REPORTS[NAME].description in index
+    assert reports.get(NAME).description in index
     summary = json.loads((gallery / NAME / "summary.json").read_text())
-    assert reports.REPORTS[NAME].headline(summary) in index and "lowest MSE" in index
+    assert reports.get(NAME).headline_of(summary) in index and "lowest MSE" in index
     assert "data:image/png;base64," in index
 
 
 def test_unknown_report_name_lists_known_reports(tmp_path):
     with pytest.raises(LabError, match=f"unknown report 'nope'.*{NAME}"):
         reports.run_report("nope", {}, tmp_path)
-    assert reports.names() == list(reports.REPORTS) and NAME in reports.names()
+    assert reports.names() == list(reports.catalog()) and NAME in reports.names()
 
 
 @pytest.mark.parametrize("key", ["replicats", "out_dir"])
@@ -84,12 +83,6 @@ def test_unknown_parameter_names_the_valid_ones(tmp_path, key):
     with pytest.raises(LabError, match=rf"unknown parameter\(s\) {key}.*valid parameters: .*replicates"):
         reports.run_report(NAME, {key: 3}, tmp_path)
     assert not any(tmp_path.iterdir())
-
-
-@pytest.fixture
-def unchecked(monkeypatch):
-    """The report without its study-config check, so that bad input fails inside the notebook."""
-    monkeypatch.setitem(reports.REPORTS, NAME, dataclasses.replace(reports.REPORTS[NAME], config=None))
 
 
 def test_bad_input_is_refused_before_papermill(tmp_path):
@@ -100,19 +93,22 @@ def test_bad_input_is_refused_before_papermill(tmp_path):
     assert not list(tmp_path.iterdir())
 
 
-def test_failed_execution_leaves_nothing(tmp_path, unchecked):
+FAILING = {"reference": "mc", "mc_samples": 2, "replicates": 4, "values": [0]}  # fails in the study, not before
+
+
+def test_failed_execution_leaves_nothing(tmp_path):
     out = tmp_path / "new" / "reports"
-    with pytest.raises(LabError, match=r"failed in cell \d+: LabError: .*nope") as err:
-        reports.run_report(NAME, {**SMALL, "env": "nope"}, out)
+    with pytest.raises(LabError, match=r"failed in cell \d+: LabError: .*raise --mc-samples") as err:
+        reports.run_report(NAME, FAILING, out)
     assert "\n" not in str(err.value)
     assert not list(tmp_path.iterdir())
 
 
-def test_failed_rebuild_keeps_the_previous_report(tmp_path, built, unchecked):
+def test_failed_rebuild_keeps_the_previous_report(tmp_path, built):
     shutil.copytree(built, tmp_path / NAME)
     before = {p.name: p.stat().st_mtime_ns for p in (tmp_path / NAME).iterdir()}
     with pytest.raises(LabError, match="failed in cell"):
-        reports.run_report(NAME, {**SMALL, "replicates": 1}, tmp_path)
+        reports.run_report(NAME, FAILING, tmp_path)
     assert {p.name: p.stat().st_mtime_ns for p in (tmp_path / NAME).iterdir()} == before
     assert [p.name for p in tmp_path.iterdir()] == [NAME]
 
@@ -120,7 +116,7 @@ def test_failed_rebuild_keeps_the_previous_report(tmp_path, built, unchecked):
 def test_refuses_to_replace_a_folder_that_is_not_a_report(tmp_path):
     (tmp_path / NAME).mkdir()
     (tmp_path / NAME / "notes.txt").write_text("mine")
-    with pytest.raises(LabError, match="not a report folder"):
+    with pytest.raises(LabError, match="a folder the lab did not write"):
         reports.run_report(NAME, SMALL, tmp_path)
     assert (tmp_path / NAME / "notes.txt").read_text() == "mine"
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import base64
 import math
-import statistics
 import tomllib
 from pathlib import Path
 
@@ -337,20 +336,19 @@ LIVE = [("weight_explosion_ui", {"kl": 0.1, "length": 64, "vocab": 8, "batch": 6
 
 
 @pytest.mark.parametrize("builder,changes", LIVE, ids=[b for b, _ in LIVE])
-def test_live_controls_redraw_quickly(builder, changes):
+def test_live_controls_redraw(builder, changes):
+    """Every control redraws the picture and the numbers (how fast: benchmarks/bench_lessons.py)."""
     from lab.teach import live
 
     ui = getattr(live, builder)()
     assert set(ui.controls) == set(changes)
-    times = []
     for name, value in changes.items():
         png, text = ui.picture.outputs[0]["data"]["image/png"], ui.numbers.value
         ui.controls[name].value = value
-        times.append(ui.elapsed)
+        assert ui.elapsed > 0
         assert ui.picture.outputs[0]["data"]["image/png"] != png, name
         assert base64.b64decode(ui.picture.outputs[0]["data"]["image/png"])[:4] == b"\x89PNG"
         assert ui.numbers.value != text, name
-    assert statistics.median(times) < 1.0, times
     bundle = ui._repr_mimebundle_()
     assert "application/vnd.jupyter.widget-view+json" in bundle and "make lab" in bundle["text/plain"]
 
@@ -405,7 +403,7 @@ def test_token_panels_keep_their_legends_off_the_data():
 # ---- dependencies -------------------------------------------------------------------------------------------------
 
 def test_teaching_dependencies_are_declared():
-    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["teach"]
     env = yaml.safe_load((ROOT / "environment.yml").read_text())
     pip = next(d["pip"] for d in env["dependencies"] if isinstance(d, dict))
     for name in ("ipywidgets", "bokeh"):

@@ -17,7 +17,7 @@ import functools
 from dataclasses import dataclass
 
 import numpy as np
-import torch
+from lab.lazy import torch
 
 from lab.errors import LabError
 

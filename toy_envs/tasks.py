@@ -37,7 +37,7 @@ import functools
 from dataclasses import dataclass
 
 import numpy as np
-import torch
+from lab.lazy import torch
 
 from lab.errors import LabError
 from toy_envs.bandits import DEFAULT_ENUM_LIMIT
@@ -62,7 +62,7 @@ class CharTokenizer:
 
     def decode(self, ids) -> str:
         """A string for a 1-d sequence of ids; a list of strings for a 2-d batch."""
-        ids = torch.as_tensor(ids)
+        ids = np.asarray(ids.cpu() if hasattr(ids, "cpu") else ids)
         if ids.ndim > 1:
             return [self.decode(row) for row in ids]
         return "".join(self.chars[int(i)] for i in ids)
@@ -79,16 +79,16 @@ INSTRUCTIONS = {
 }
 
 
-def _digits(x: torch.Tensor, n: int) -> torch.Tensor:
+def _digits(x: np.ndarray, n: int) -> np.ndarray:
     """Base-10 digits of integers x [N], most significant first: [N, n]."""
-    powers = 10 ** torch.arange(n - 1, -1, -1)
+    powers = 10 ** np.arange(n - 1, -1, -1, dtype=np.int64)
     return x[:, None] // powers % 10
 
 
-def _interleave(digits: torch.Tensor, sep: int, end: int) -> torch.Tensor:
+def _interleave(digits: np.ndarray, sep: int, end: int) -> np.ndarray:
     """d0 sep d1 sep ... d_{n-1} end: [N, 2n]."""
     N, n = digits.shape
-    out = torch.full((N, 2 * n), sep, dtype=torch.long)
+    out = np.full((N, 2 * n), sep, dtype=np.int64)
     out[:, 0::2] = digits
     out[:, -1] = end
     return out
@@ -172,18 +172,29 @@ class Task:
         return self.n_prompts * self.sequences_per_prompt
 
     # ---- problems ----
-    def problems(self, codes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Prompt tokens [N, P] and answers [N, T] of problem numbers ``codes`` [N] in range(space)."""
-        codes = torch.as_tensor(codes, dtype=torch.long)
+    def problems(self, codes) -> tuple[torch.Tensor, torch.Tensor]:
+        """Prompt tokens [N, P] and answers [N, T] (long tensors) of problem numbers ``codes`` [N] in range(space)."""
+        prompts, answers = self.problem_arrays(codes)
+        return torch.from_numpy(prompts), torch.from_numpy(answers)
+
+    def problem_arrays(self, codes) -> tuple[np.ndarray, np.ndarray]:
+        """``problems`` as int64 numpy arrays (the definition of the task's problems)."""
+        codes = np.asarray(codes, dtype=np.int64).reshape(-1)
         d, N = self.difficulty, codes.shape[0]
         if self.task == "addition":
             a, b = codes // 10**d, codes % 10**d
-            cols = [_digits(a, d), torch.full((N, 1), PLUS), _digits(b, d), torch.full((N, 1), EQUALS)]
-            return torch.cat(cols, 1), _digits(a + b, d + 1)
+            cols = [_digits(a, d), np.full((N, 1), PLUS), _digits(b, d), np.full((N, 1), EQUALS)]
+            return np.concatenate(cols, 1).astype(np.int64), _digits(a + b, d + 1)
         digits = _digits(codes, d if self.task == "sorting" else d + 1)
         if self.task == "sorting":
-            return _interleave(digits, COMMA, EQUALS), digits.sort(dim=1).values
+            return _interleave(digits, COMMA, EQUALS), np.sort(digits, axis=1)
         return _interleave(digits, PLUS, EQUALS), digits.cumsum(1)[:, 1:] % 10
+
+    @property
+    def example(self) -> str:
+        """The first training problem with its answer, as text (numpy only: listing envs loads no torch)."""
+        prompt, answer = self.problem_arrays(_codes(self)[self.n_heldout:self.n_heldout + 1])
+        return f"{TOKENIZER.decode(prompt[0])}{TOKENIZER.decode(answer[0])}"
 
     def _split(self):
         return _split(self)
@@ -261,9 +272,17 @@ class Task:
 
 @functools.lru_cache(maxsize=32)
 def _split(env: Task):
-    """(held-out codes, training codes, their prompts and answers): the first n_heldout + n_prompts values of a
-    seeded random order of the space (a permutation for small spaces, else the distinct values of an i.i.d.
-    stream in order of first appearance), held-out first."""
+    """(held-out codes, training codes, their prompts and answers), as tensors."""
+    codes = torch.as_tensor(_codes(env), dtype=torch.long)
+    held, train = codes[:env.n_heldout], codes[env.n_heldout:]
+    return (held, train, *env.problems(train), *env.problems(held))
+
+
+@functools.lru_cache(maxsize=32)
+def _codes(env: Task) -> np.ndarray:
+    """The held-out then the training problem numbers: the first n_heldout + n_prompts values of a seeded random
+    order of the space (a permutation for small spaces, else the distinct values of an i.i.d. stream in order of
+    first appearance)."""
     rng = np.random.default_rng([env.seed, TASKS.index(env.task), env.difficulty])
     need = env.n_heldout + env.n_prompts
     if env.space <= 2**20:
@@ -274,9 +293,7 @@ def _split(env: Task):
         codes = stream[np.sort(first)][:need]
         if len(codes) < need:
             raise LabError(f"could not draw {need:,} distinct problems from {env.space:,}; ask for fewer prompts")
-    codes = torch.as_tensor(codes, dtype=torch.long)
-    held, train = codes[:env.n_heldout], codes[env.n_heldout:]
-    return (held, train, *env.problems(train), *env.problems(held))
+    return codes
 
 
 @functools.lru_cache(maxsize=8)
@@ -292,7 +309,7 @@ def _described(t: Task) -> Task:
     d = t.difficulty
     words = {"addition": f"{d}-digit addition", "sorting": f"sorting {d} digits",
              "chain": f"{d}-step running sums mod 10"}[t.task]
-    example = f"{TOKENIZER.decode(t.prompt_tokens[0])}{TOKENIZER.decode(t.answers[0])}"
+    example = t.example
     credit = "exact match" if t.reward == "target" else "per-position partial credit"
     extra = f"; V = {t.vocab_size} ({t.distractors} distractor tokens)" if t.distractors else ""
     return dataclasses.replace(t, description=f"{words}, e.g. {example}; {credit}; {t.n_heldout} held out{extra}")

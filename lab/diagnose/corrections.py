@@ -26,11 +26,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from lab import estimators
+
 
 CORRECTIONS = ("tis_token", "tis_seq", "mis_token", "mis_seq", "ppo_clip", "gspo", "cispo", "sapo", "vespo")
-LABELS = {"tis_token": "TIS (token)", "tis_seq": "TIS (sequence)", "mis_token": "IcePop (token mask)",
-          "mis_seq": "sequence mask (MIS)", "ppo_clip": "PPO clip", "gspo": "GSPO", "cispo": "CISPO", "sapo": "SAPO",
-          "vespo": "VESPO"}
+LABELS = {n: estimators.info(n).label for n in CORRECTIONS}  # the registry's display names
 NATURAL = {"tis_token": "mismatch", "tis_seq": "mismatch", "mis_token": "mismatch", "mis_seq": "mismatch",
            "ppo_clip": "update", "gspo": "update", "cispo": "update", "sapo": "update", "vespo": "total"}
 PAIR_ORDER = ("total", "mismatch", "update")

@@ -288,10 +288,10 @@ def _run_local(kind: str, configs: list[dict], workers: int):
 
 def _run_ray(kind: str, configs: list[dict], workers: int | None, address: str | None):
     """Yield (index, output) as cells finish, one Ray task per cell, at most ``workers`` in flight."""
-    try:
-        import ray
-    except ImportError:
-        raise LabError("executor 'ray' needs Ray: pip install 'ray>=2.40'") from None
+    from lab.extras import require
+
+    require("ray")
+    import ray
     started = not ray.is_initialized()
     if started:
         if address:

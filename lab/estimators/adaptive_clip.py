@@ -29,7 +29,7 @@ mean, with la_power -0.5 recommended there).
 """
 from __future__ import annotations
 
-import torch
+from lab.lazy import torch
 
 from lab.estimators.aggregation import agg_loss, masked_mean
 from lab.estimators.contract import ordered

@@ -18,7 +18,7 @@ Masked positions are selected with ``torch.where``, never multiplied by 0, so Na
 """
 from __future__ import annotations
 
-import torch
+from lab.lazy import torch
 
 from lab.errors import LabError
 

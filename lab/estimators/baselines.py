@@ -19,7 +19,7 @@ on-policy; because it depends on the batch it biases the estimate off-policy (``
 """
 from __future__ import annotations
 
-import torch
+from lab.lazy import torch
 
 from lab.estimators.aggregation import agg_loss, masked_mean
 from lab.estimators.policy_gradient import sequence_log_weight

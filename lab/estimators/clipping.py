@@ -7,7 +7,7 @@ The log-ratio is clamped to [-20, 20] before exponentiating, as in verl (TRL doe
 """
 from __future__ import annotations
 
-import torch
+from lab.lazy import torch
 
 from lab.estimators.aggregation import agg_loss, masked_mean
 from lab.estimators.policy_gradient import token_log_ratio

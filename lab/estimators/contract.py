@@ -37,7 +37,7 @@ import re
 from dataclasses import dataclass
 from typing import Callable
 
-import torch
+from lab.lazy import torch
 
 from lab.errors import LabError
 from lab.estimators.aggregation import check_mode
@@ -46,7 +46,6 @@ PER_TOKEN = ("old_log_prob", "ref_log_prob", "rollout_log_probs", "teacher_log_p
              "lag")  # [B, T] besides log_prob
 LOG_PROBS = ("log_prob", "teacher_log_prob")  # held to <= 0 (see the module docstring for the others)
 VOCAB = ("logits", "teacher_logits")  # [B, T, V]
-HALF = (torch.float16, torch.bfloat16)
 
 
 # ----------------------------------------------------------------------------------------------- domains
@@ -219,12 +218,12 @@ def prepare(log_prob, old_log_prob, advantages, response_mask, named: dict):
     real entry is finite and NaN otherwise, carried into the loss with ``log_prob`` so that non-finite inputs
     reach the loss and the gradient under torch.func transforms."""
     def lift(x):
-        return x.float() if torch.is_tensor(x) and x.dtype in HALF else x
+        return x.float() if torch.is_tensor(x) and _half(x.dtype) else x
 
     log_prob, old_log_prob, advantages = lift(log_prob), lift(old_log_prob), lift(advantages)
     named = {k: lift(v) for k, v in named.items()}
     mask = response_mask
-    if mask.dtype == torch.bool or not mask.is_floating_point() or mask.dtype in HALF:
+    if mask.dtype == torch.bool or not mask.is_floating_point() or _half(mask.dtype):
         mask = mask.to(log_prob.dtype)
     real = mask > 0
     zero = torch.zeros((), dtype=log_prob.dtype)
@@ -285,3 +284,8 @@ def guard(name: str, fn: Callable, inputs: tuple, optional_inputs: tuple, get_in
 
     guarded.unguarded = fn
     return guarded
+
+
+def _half(dtype) -> bool:
+    """float16 or bfloat16: computed in float32."""
+    return dtype in (torch.float16, torch.bfloat16)

@@ -22,7 +22,7 @@ SkyRL 0.4.0 ``skyrl/backends/skyrl_train/utils/ppo_utils.py`` (7fee019), ``skyrl
 """
 from __future__ import annotations
 
-import torch
+from lab.lazy import torch
 
 from lab.estimators.aggregation import agg_loss, masked_mean
 from lab.estimators.policy_gradient import token_log_ratio

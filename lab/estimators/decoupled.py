@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import math
 
-import torch
+from lab.lazy import torch
 
 from lab.errors import LabError
 from lab.estimators.aggregation import agg_loss, masked_mean

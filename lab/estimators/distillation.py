@@ -48,7 +48,7 @@ Conventions and what the reference code does:
 """
 from __future__ import annotations
 
-import torch
+from lab.lazy import torch
 
 from lab.estimators.aggregation import agg_loss, masked_mean
 from lab.estimators.policy_gradient import token_log_ratio

@@ -46,7 +46,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-import torch
+from lab.lazy import torch
 
 from lab.errors import LabError
 from lab.estimators.registry import check_hyper, info

@@ -29,7 +29,7 @@ tau_neg = 1.05 (A <= 0 gets tau_neg, as in verl); loss_t = -gate_t A with rho in
 """
 from __future__ import annotations
 
-import torch
+from lab.lazy import torch
 
 from lab.estimators.aggregation import agg_loss, masked_mean
 from lab.estimators.policy_gradient import LOG_RATIO_BOUND, token_log_ratio

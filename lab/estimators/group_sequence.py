@@ -16,7 +16,7 @@ sequence's tiny q cannot blow its weight up (the paper's variance argument); but
 """
 from __future__ import annotations
 
-import torch
+from lab.lazy import torch
 
 from lab.estimators.aggregation import agg_loss, masked_mean
 from lab.estimators.clipping import ppo_clip_coefficient

@@ -54,7 +54,7 @@ from __future__ import annotations
 
 import operator
 
-import torch
+from lab.lazy import torch
 
 from lab.errors import LabError
 from lab.estimators.aggregation import check_mode, masked_mean

@@ -33,7 +33,7 @@ coefficient; the advantage is ignored): 1 (k1), log r (k2), 1 - 1/r (k3, 0 where
 """
 from __future__ import annotations
 
-import torch
+from lab.lazy import torch
 
 from lab.estimators.aggregation import agg_loss, masked_mean
 from lab.estimators.registry import register

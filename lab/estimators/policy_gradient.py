@@ -7,7 +7,7 @@ unclamped token log-ratios) is clamped to [-20, 20] once, as verl's rollout corr
 """
 from __future__ import annotations
 
-import torch
+from lab.lazy import torch
 
 from lab.estimators.aggregation import agg_loss, masked_mean
 from lab.estimators.registry import register

@@ -49,7 +49,7 @@ from __future__ import annotations
 
 import math
 
-import torch
+from lab.lazy import torch
 
 from lab.estimators.aggregation import agg_loss, masked_mean
 from lab.estimators.contract import ordered

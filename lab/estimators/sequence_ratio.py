@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import math
 
-import torch
+from lab.lazy import torch
 
 from lab.estimators.aggregation import agg_loss, masked_mean
 from lab.estimators.clipping import ppo_clip_coefficient

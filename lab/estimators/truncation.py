@@ -42,7 +42,7 @@ summed log-weight to [-20, 20] (sequence), verl's SAFETY_BOUND.
 """
 from __future__ import annotations
 
-import torch
+from lab.lazy import torch
 
 from lab.estimators.aggregation import agg_loss, masked_mean
 from lab.estimators.contract import ordered

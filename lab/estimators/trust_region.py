@@ -36,7 +36,7 @@ masked or not.
 """
 from __future__ import annotations
 
-import torch
+from lab.lazy import torch
 
 from lab.estimators.aggregation import agg_loss, masked_mean
 from lab.estimators.policy_gradient import LOG_RATIO_BOUND, token_log_ratio

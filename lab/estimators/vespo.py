@@ -58,9 +58,10 @@ import math
 import numbers
 
 import numpy as np
-import torch
-from scipy.special import gamma as gamma_fn
-from scipy.special import gammainc, xlogy
+from lab.lazy import torch
+from lab.lazy import LazyModule
+
+special = LazyModule("scipy.special")  # gamma, gammainc, xlogy: loaded on first use
 
 from lab.errors import LabError
 from lab.estimators.aggregation import agg_loss, masked_mean
@@ -95,9 +96,9 @@ def log_phi(W, k: float, lam: float):
     """
     check_kernel(k, lam)
     if torch.is_tensor(W):
-        return lam + torch.xlogy(torch.as_tensor(float(k), dtype=W.dtype), W) - lam * W
+        return lam + torch.special.xlogy(torch.as_tensor(float(k), dtype=W.dtype), W) - lam * W
     _check_w(W)
-    out = lam + xlogy(k, np.asarray(W, dtype=np.float64)) - lam * np.asarray(W, dtype=np.float64)
+    out = lam + special.xlogy(k, np.asarray(W, dtype=np.float64)) - lam * np.asarray(W, dtype=np.float64)
     return float(out) if np.ndim(out) == 0 else out
 
 
@@ -116,7 +117,7 @@ def argmax_phi(k: float, lam: float) -> float:
 def phi_max(k: float, lam: float) -> float:
     """max_W phi(W) = (k/lambda)^k exp(lambda - k), at W = k/lambda (k = 0: e^lambda, approached as W -> 0)."""
     check_kernel(k, lam)
-    return float(math.exp(xlogy(k, k / lam) + lam - k))
+    return float(math.exp(special.xlogy(k, k / lam) + lam - k))
 
 
 def bound_constant(k: float, lam: float) -> float:
@@ -146,7 +147,7 @@ def surrogate(W, k: float = K_POS, lam: float = LAMBDA_POS):
         raise LabError("VESPO's surrogate f(W) = int_0^W phi(u)/u du diverges for k = 0; use k > 0")
     _check_w(W)
     W = np.asarray(W, dtype=np.float64)
-    out = math.exp(lam) * lam ** (-k) * gammainc(k, lam * W) * gamma_fn(k)
+    out = math.exp(lam) * lam ** (-k) * special.gammainc(k, lam * W) * special.gamma(k)
     return float(out) if np.ndim(out) == 0 else out
 
 

@@ -128,6 +128,9 @@ def _copy_to(model, dev):
 
 
 def _read(folder: Path, gguf: str | None, attn: str) -> _Loaded:
+    from lab.extras import require
+
+    require("hf")
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 

@@ -27,6 +27,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from lab.errors import LabError
+from lab.extras import require
 from lab.reports import inject, params as report_params
 from lab.reports.catalog import REPO_ROOT, catalog, get
 from lab.reports.gallery import write_index
@@ -103,10 +104,11 @@ def run_report(name: str, params: dict | None = None, out_root: Path = Path("rep
                smoke: bool = False) -> Path:
     """Execute report ``name`` into ``out_root/name``: ``params`` are values (a parameter file's), ``cli``
     command-line strings, ``smoke`` the report's small values under both."""
+    report = get(name)
+    require("reports", *(("teach",) if report.page else ()))
     import papermill as pm
     from papermill.exceptions import PapermillExecutionError
 
-    report = get(name)
     if not report.notebook.exists():
         raise LabError(f"report notebook {report.notebook} not found; reports run from a source checkout "
                        f"(pip install -e .)")

@@ -12,8 +12,6 @@ from __future__ import annotations
 import ast
 import keyword
 
-from papermill.translators import PythonTranslator, papermill_translators
-
 from lab.errors import LabError
 from lab.inputs import plain
 
@@ -59,16 +57,16 @@ def cell(parameters: dict, comment: str = "Parameters") -> str:
     return source
 
 
-class DataTranslator(PythonTranslator):
-    """papermill's translator for the lab's notebooks: plain data as literals, anything else refused."""
-
-    @classmethod
-    def codify(cls, parameters, comment="Parameters"):
-        return cell(parameters, comment)
-
-
 def register() -> None:
-    """Use ``DataTranslator`` for the lab's kernel and for Python notebooks (idempotent)."""
+    """Make papermill write parameters for the lab's kernel and for Python notebooks with ``cell``: plain data as
+    literals, anything else refused (idempotent)."""
+    from papermill.translators import PythonTranslator, papermill_translators
+
+    class DataTranslator(PythonTranslator):
+        @classmethod
+        def codify(cls, parameters, comment="Parameters"):
+            return cell(parameters, comment)
+
     for name in (KERNEL, "python"):
         papermill_translators.register(name, DataTranslator)
 

@@ -15,15 +15,20 @@ A study is the folder ``lab/studies/<name>/`` and nothing else::
 
 ``studies()`` finds every folder of ``lab.studies.__path__`` whose ``__init__.py`` defines ``STUDY``; the report
 driver, ``lab study NAME`` and ``lab report NAME`` read this registry, so adding a study touches its folder only.
-Importing a study's ``__init__`` is cheap (no torch): listings and ``--help`` stay fast.
+Folders of your own studies can live outside the lab: ``LAB_STUDIES_PATH`` (folders separated by ``os.pathsep``)
+adds them to ``lab.studies.__path__``. Importing a study's ``__init__`` is cheap (no torch): listings and
+``--help`` stay fast.
 """
 from __future__ import annotations
 
 import importlib
+import os
 import pkgutil
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple
+
+__path__ += [p for p in os.environ.get("LAB_STUDIES_PATH", "").split(os.pathsep) if p]  # noqa: F821 - a package
 
 
 class StudyResult(NamedTuple):

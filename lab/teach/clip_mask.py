@@ -56,8 +56,7 @@ class Config:
     """build the ipywidgets controls (needs a widget frontend to be seen)"""
 
 METHODS = ("token_is", "ppo_clip", "tis_token", "mis_token", "cispo", "sapo")
-LABELS = {"token_is": "importance sampling", "ppo_clip": "PPO clip", "tis_token": "TIS (cap)",
-          "mis_token": "IcePop mask", "cispo": "CISPO", "sapo": "SAPO gate"}
+LABELS = {n: estimators.info(n).label for n in METHODS}  # the registry's display names
 REWARD_STREAM = 1_000_000  # rewards use hashrng stream REWARD_STREAM + seed
 
 
