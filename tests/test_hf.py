@@ -307,6 +307,32 @@ def test_lab_variance_runs_a_local_model(llama, tmp_path, capsys):
     assert not (tmp_path / "bad").exists()
 
 
+def test_lab_train_trains_a_local_model_like_the_transformer(llama, tmp_path):
+    """`lab train --policy hf --model PATH`: the same simulator as the lab's transformer (a real sampler, exact task
+    metrics); with one mini-batch, one epoch and no mismatch every ratio estimator's update equals REINFORCE's
+    (pi = pi_old = mu), so the two runs' accuracies agree; async and a bf16 sampler run too."""
+    import json
+
+    from lab.cli import main
+
+    path, _ = llama
+    base = ["train", "--policy", "hf", "--model", str(path), "--params", "last:1", "--env", "chain3", "--set",
+            "difficulty=2", "--set", "n_prompts=4", "--rollout-batch", "8", "--group-size", "2", "--steps", "2",
+            "--lr", "1e-3"]
+    runs = {}
+    for est in ("reinforce", "seq_is"):
+        assert main([*base, "--estimator", est, "--out", str(tmp_path / est)]) == 0
+        runs[est] = json.loads((tmp_path / est / "summary.json").read_text())
+    assert runs["seq_is"]["final_expected_reward"] == pytest.approx(runs["reinforce"]["final_expected_reward"],
+                                                                    rel=1e-5)
+    assert runs["seq_is"]["policy"] == f"hf {path}" and runs["seq_is"]["metrics"].startswith("task")
+    assert main([*base, "--regime", "mismatch", "--sampler-dtype", "bfloat16", "--estimator", "tis_token",
+                 "--out", str(tmp_path / "bf16")]) == 0
+    assert main([*base, "--regime", "async", "--lag-max", "1", "--eta", "1", "--estimator", "vespo",
+                 "--out", str(tmp_path / "async")]) == 0
+    assert main([*base[:3], "--params", "last:1", "--env", "chain3", "--out", str(tmp_path / "bad")]) == 2  # no model
+
+
 def test_smollm2_loads_offline_and_shows_a_bf16_mismatch():
     """SmolLM2-135M-Instruct from the wheel: real prompts, a bf16 sampler against the fp32 trainer."""
     try:

@@ -97,7 +97,8 @@ from lab.estimators.aggregation import AGG_MODES
 from lab.engine.estimator import Estimator
 from lab.engine.exact import Problem, Support, objective
 from lab.errors import LabError
-from lab.policies import init_params, log_probs_of, make_policy, sample, sequence_log_probs, token_log_probs
+from lab.policies import (KINDS, NETWORKS, init_params, kind, log_probs_of, make_policy, sample, sequence_log_probs,
+                          token_log_probs)
 from lab.policies.protocol import is_sampler
 from lab.progress import bar
 from lab.runs import check_cache_dir
@@ -109,7 +110,6 @@ REGIMES = ("sync", "async", "mismatch")
 SAMPLER_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 LAG_DISTS = ("uniform", "geometric", "constant")
 OVER_STALE = ("drop", "requeue", "keep")
-TRAIN_POLICIES = ("prefix", "markov", "transformer")
 PROVIDED_INPUTS = ("rewards", "group_size", "logits", "rollout_log_probs", "selection_keys",
                    "lag")  # extra estimator inputs training provides (see _Run.estimator_inputs)
 MAX_DROP_DRAWS = 1000  # group draws per needed group before ``drop`` gives up
@@ -123,15 +123,21 @@ class TrainConfig:
     """toy env preset (see `lab envs`)"""
     env_overrides: dict = knob({}, flag="--set", parse="pairs")
     """env fields to change, e.g. length=3"""
-    policy: Literal[TRAIN_POLICIES] = "prefix"
-    """prefix (any sequence distribution) | markov | transformer (the lab's own network)"""
+    policy: Literal[tuple(KINDS)] = "prefix"
+    """prefix (any sequence distribution) | markov | transformer (the lab's own network) | hf (a local causal LM at
+    --model)"""
     size: str = knob("small", only=("policy", "transformer"))
     """transformer: model size (test, small, medium, moe, 1m; see lab.policies.transformer.SIZES)"""
+    model: str = knob("", only=("policy", "hf"))
+    """hf: the model's path (a save_pretrained folder or a .gguf file) whose vocabulary holds the env's token ids"""
+    params: str = knob("last:1", only=("policy", "hf"))
+    """hf: the trainable subset theta: last:k (the last k blocks), lm_head, lora:r=R, or a regex over parameter
+    names (lab.policies.hf)"""
     warm_start: float = knob(0.0, ge=0, lt=1, only=("policy", "transformer"))
     """transformer on a task: start from the supervised warm start at this exact-match accuracy (`lab pretrain`,
     cached; 0: a random init at init_scale)"""
-    device: str = knob("cpu", only=("policy", "transformer"))
-    """transformer: cpu | cuda, where its parameters live and its passes run"""
+    device: str = knob("cpu", only=("policy", *NETWORKS))
+    """transformer, hf: cpu | cuda, where its parameters live and its passes run"""
     init_scale: float = knob(0.5, ge=0, le=100)
     """initial logits ~ N(0, init_scale^2) (transformer: the scale of the tied head's rows)"""
     estimator: str = "reinforce"
@@ -172,12 +178,12 @@ class TrainConfig:
     """mismatch: probability, per token, that the sampler routes to the other expert"""
     router_scale: float = knob(1.0, ge=0, le=100, only=("regime", "mismatch"))
     """mismatch: scale of the other expert's parameters"""
-    sampler_dtype: Literal[tuple(SAMPLER_DTYPES)] = knob("float32", only=("policy", "transformer"))
-    """transformer, mismatch: the sampler's weights and activations: float32 | bfloat16 | float16"""
-    sampler_kv_cache: bool = knob(True, only=("policy", "transformer"))
-    """transformer: the sampler decodes with a KV cache (else it recomputes the whole sequence for every token)"""
-    replay_routes: bool = knob(False, only=("policy", "transformer"))
-    """transformer with experts: the trainer replays the sampler's expert routes (Rollout Routing Replay)"""
+    sampler_dtype: Literal[tuple(SAMPLER_DTYPES)] = knob("float32", only=("policy", *NETWORKS))
+    """transformer, hf, mismatch: the sampler's weights and activations: float32 | bfloat16 | float16"""
+    sampler_kv_cache: bool = knob(True, only=("policy", *NETWORKS))
+    """transformer, hf: the sampler decodes with a KV cache (else it recomputes the whole sequence for every token)"""
+    replay_routes: bool = knob(False, only=("policy", *NETWORKS))
+    """transformer or hf with experts: the trainer replays the sampler's expert routes (Rollout Routing Replay)"""
     loss_agg_mode: Literal[(*AGG_MODES, "native")] = "token-mean"
     """verl aggregation for every estimator, or native: each one's own default"""
     dtype: Literal["float32", "float64"] = "float32"
@@ -198,13 +204,14 @@ class TrainConfig:
 
     def problem(self) -> Problem:
         env = self.make_env()
-        return Problem(env, make_policy(self.policy, env, self.size))
+        model = self.model if self.policy == "hf" else self.size
+        return Problem(env, make_policy(self.policy, env, model, trainable=self.params, device=self.device))
 
     @property
     def task_metrics(self) -> bool:
         """True when the run's metrics are a task's teacher-forced ones (a transformer on a task env), False when
         they are exact by enumeration."""
-        return self.policy == "transformer" and isinstance(self.make_env(), toy_envs.Task)
+        return kind(self.policy).network and isinstance(self.make_env(), toy_envs.Task)
 
     def resolved(self) -> Estimator:
         return Estimator.resolve(self.estimator, self.hyper, self.loss_agg_mode)
@@ -212,24 +219,28 @@ class TrainConfig:
     def validate(self) -> None:
         """Check every field; raises LabError with one sentence for bad input."""
         check_types(self)
+        if self.policy == "hf" and not self.model:
+            raise LabError("policy hf needs --model: a save_pretrained folder or a .gguf file")
         problem = self.problem()
         env = problem.env
-        self._validate_policy(env)
+        self._validate_policy(problem)
         if not self.task_metrics and env.num_pairs > toy_envs.DEFAULT_ENUM_LIMIT:
             raise LabError(f"env {env.name!r} has {env.num_pairs:,} (prompt, response) pairs; training computes exact "
                            f"metrics by enumeration after every update (at most {toy_envs.DEFAULT_ENUM_LIMIT:,} pairs): "
                            f"choose a smaller env (see `lab envs`)")
-        self._validate_sizes(self._validate_estimator())
+        self._validate_sizes(self._validate_estimator(), problem.policy)
         if self.regime == "async" and self.over_stale == "drop" and self.lag_dist == "constant" and \
                 self.lag_max > self.eta:
             raise LabError(f"every group lags {self.lag_max} > eta = {self.eta} under the constant lag distribution, "
                            f"so over-stale policy 'drop' would drop them all; raise eta or lower lag_max")
 
-    def _validate_policy(self, env) -> None:
+    def _validate_policy(self, problem) -> None:
+        """A network policy (``lab.policies.KINDS``: transformer, hf) trains on a task with the exact-match reward and
+        has a real sampler; the tabular ones simulate theirs (the fields' ``only`` declarations say which applies)."""
         from lab.policies import check_device
-        from lab.policies.transformer import size_config
 
-        if self.policy != "transformer":
+        env = problem.env
+        if not kind(self.policy).network:
             return
         check_device(self.device)
         if self.warm_start:
@@ -239,16 +250,17 @@ class TrainConfig:
             raise LabError(f"a warm start needs a task env with answers ({', '.join(toy_envs.tasks.names())}), not "
                            f"{env.name!r}")
         if is_task and env.reward != "target":
-            raise LabError(f"env {env.name!r} has a {env.reward} reward; the transformer trains on tasks with the "
+            raise LabError(f"env {env.name!r} has a {env.reward} reward; a network policy trains on tasks with the "
                            f"exact-match reward (whose expected value is the exact accuracy): choose a target-reward "
                            f"task")
         if self.logprob_noise or self.router_flip_p:
-            raise LabError("logprob_noise and router_flip_p simulate a mismatched sampler for tabular policies; the "
-                           "transformer's mismatch is real: use sampler_dtype, sampler_kv_cache and replay_routes")
+            raise LabError("logprob_noise and router_flip_p simulate a mismatched sampler for tabular policies; a "
+                           "network's mismatch is real: use sampler_dtype, sampler_kv_cache and replay_routes")
         if self.sampler_dtype != "float32" and self.regime != "mismatch":
             raise LabError(f"sampler_dtype {self.sampler_dtype!r} makes a mismatched sampler: use regime 'mismatch'")
-        if self.replay_routes and not size_config(self.size).moe:
-            raise LabError(f"replay_routes needs a mixture-of-experts size (e.g. moe, test_moe), not {self.size!r}")
+        if self.replay_routes and not problem.policy.moe:
+            raise LabError(f"replay_routes needs a mixture-of-experts model (e.g. size moe or test_moe, or an MoE "
+                           f"checkpoint), not {self.model or self.size!r}")
 
     def _validate_estimator(self) -> Estimator:
         est = self.resolved()
@@ -260,7 +272,7 @@ class TrainConfig:
             raise LabError(f"estimator {self.estimator!r} needs {', '.join(missing)}, which training does not provide")
         return est
 
-    def _validate_sizes(self, est: Estimator) -> None:
+    def _validate_sizes(self, est: Estimator, policy) -> None:
         adv_mod.check(self.advantage, self.group_size)
         if self.rollout_batch % self.group_size:
             raise LabError(f"rollout batch {self.rollout_batch} must be a multiple of the group size {self.group_size}")
@@ -268,7 +280,7 @@ class TrainConfig:
             raise LabError(f"{self.minibatches} mini-batches do not divide the rollout batch {self.rollout_batch}; "
                            f"choose a divisor of it")
         mb = self.rollout_batch // self.minibatches
-        need = self.rollout_memory()
+        need = self.rollout_memory(policy)
         if need > ROLLOUT_MEMORY_BUDGET:
             raise LabError(f"a rollout batch of {self.rollout_batch} needs about {need / 2**30:.1f} GiB (budget "
                            f"{ROLLOUT_MEMORY_BUDGET / 2**30:.0f} GiB); use a smaller rollout batch")
@@ -280,17 +292,22 @@ class TrainConfig:
                 raise LabError(f"estimator {self.estimator!r} needs whole groups in each mini-batch: mini-batch size "
                                f"{mb} is not a multiple of the group size {self.group_size}; use fewer mini-batches")
 
-    def rollout_memory(self) -> int:
+    def rollout_memory(self, policy=None) -> int:
         """Bytes a rollout batch needs at least: its logits, log-softmax and their gradients (4 x B T V float64) and,
-        for the transformer, the activations its update keeps (about 16 floats per width, layer and position)."""
+        for a network, the activations its update keeps (about 16 floats per width, layer and position)."""
         env = self.make_env()
         need = 4 * self.rollout_batch * env.length * env.vocab_size * 8
-        if self.policy == "transformer":
-            from lab.policies.transformer import size_config
-
-            c = size_config(self.size)
+        if kind(self.policy).network:
             positions = env.length + getattr(env, "prompt_length", 0)
-            need += 16 * self.rollout_batch * positions * c.n_embd * c.n_layer * 8
+            if self.policy == "transformer":
+                from lab.policies.transformer import size_config
+
+                c = size_config(self.size)
+                width, layers = c.n_embd, c.n_layer
+            else:
+                config = (policy or self.problem().policy).model.config
+                width, layers = config.hidden_size, config.num_hidden_layers
+            need += 16 * self.rollout_batch * positions * width * layers * 8
         return need
 
 @dataclass
@@ -632,7 +649,7 @@ class _Run:
         self.opt.step()
         self.version += 1
         if self.log is not None:  # the mini-batch as the neutral rollout log holds it (lab.diagnose)
-            B, G, mb = self.cfg.rollout_batch, self.cfg.group_size, sl.stop - sl.start
+            B, G = self.cfg.rollout_batch, self.cfg.group_size
             self.log.add(self.version, torch.arange(sl.start, sl.stop) + r * B, ro.tokens[sl], ro.mask[sl],
                          sampler_logp=ro.lp_mu[sl], old_logp=ro.lp_old[sl], current_logp=lp_pi,
                          version=ro.gen_version[sl], advantages=ro.advantages[sl], rewards=ro.rewards[sl],
@@ -711,7 +728,8 @@ def summarise(cfg: TrainConfig, run: _Run, table: pd.DataFrame, stopped_early: b
         "rollouts": roll.to_dict("records"),
     }
     if run.task:
-        summary.update(policy=f"transformer {cfg.size}", metrics="task (teacher-forced, exact J; KL and entropy at "
+        summary.update(policy=f"transformer {cfg.size}" if cfg.policy == "transformer" else f"hf {cfg.model}",
+                       metrics="task (teacher-forced, exact J; KL and entropy at "
                        "the answers' states)", initial_heldout_accuracy=run.initial["heldout_accuracy"],
                        final_heldout_accuracy=float(table["heldout_accuracy"].iloc[-1]))
     summary["headline"] = (f"{cfg.estimator} on {run.env.name} ({cfg.regime}, N={cfg.minibatches}): expected reward "

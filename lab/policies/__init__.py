@@ -7,36 +7,62 @@ decoder-only transformer, ``lab.policies.transformer``; sizes from "test" to "1m
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from lab.errors import LabError
 from lab.policies.protocol import Perturbed, Policy, Tempered
 from lab.policies.tabular import POLICIES, MarkovPolicy, PrefixTreePolicy
 
-__all__ = ["POLICIES", "MarkovPolicy", "Perturbed", "Policy", "PrefixTreePolicy", "Tempered", "make_policy",
+__all__ = ["KINDS", "NETWORKS", "POLICIES", "Kind", "kind", "MarkovPolicy", "Perturbed", "Policy", "PrefixTreePolicy", "Tempered", "make_policy",
            "check_device", "resolve_device", "init_params", "log_probs_of", "token_log_probs", "sequence_log_probs",
            "sample"]
 
 
-KINDS = (*POLICIES, "transformer", "hf")
+@dataclass(frozen=True)
+class Kind:
+    """A kind of policy and what it can do (the engine and the configs ask these, never the kind's name)."""
+
+    name: str
+    description: str
+    network: bool  # a network with the sampler contract (generate, score, routes): trains on a device, real mismatch
+    model: str  # what the ``model`` argument of make_policy names ("" when it takes none)
 
 
-def make_policy(kind: str, env, size: str = "small", initial=None, trainable: str = "last:1",
+KINDS = {
+    "prefix": Kind("prefix", "tabular softmax over every response prefix (any sequence distribution)", False, ""),
+    "markov": Kind("markov", "tabular softmax over (position, previous token)", False, ""),
+    "transformer": Kind("transformer", "the lab's decoder-only transformer (lab.policies.transformer)", True,
+                        "a size: test, small, medium, moe, 1m"),
+    "hf": Kind("hf", "a local causal LM: a save_pretrained folder or a .gguf file (lab.policies.hf)", True,
+               "the model's path"),
+}
+NETWORKS = tuple(k for k, v in KINDS.items() if v.network)
+
+
+def kind(name: str) -> Kind:
+    if name not in KINDS:
+        raise LabError(f"unknown policy {name!r}; choose one of {', '.join(KINDS)}")
+    return KINDS[name]
+
+
+def make_policy(kind_name: str, env, model: str = "small", initial=None, trainable: str = "last:1",
                 device="cpu") -> Policy:
-    """The policy ``kind`` sized for ``env``: a transformer of ``size`` (with ``initial`` parameters, if given); for
-    ``hf``, the local causal LM at path ``size`` (a save_pretrained folder or a .gguf file) over the env's prompts
-    and response vocabulary, theta its ``trainable`` subset, run on ``device`` (``lab.policies.hf``)."""
-    if kind == "transformer":
+    """The policy of kind ``kind_name`` sized for ``env``: a transformer of size ``model`` (with ``initial``
+    parameters, if given); for ``hf``, the local causal LM at path ``model`` (a save_pretrained folder or a .gguf
+    file) over the env's prompts and response vocabulary, theta its ``trainable`` subset, run on ``device``
+    (``lab.policies.hf``); a tabular table otherwise."""
+    kind(kind_name)
+    if kind_name == "transformer":
         from lab.policies.transformer import TransformerPolicy
 
-        return TransformerPolicy.for_env(env, size, initial)
-    if kind == "hf":
+        return TransformerPolicy.for_env(env, model, initial)
+    if kind_name == "hf":
         from lab.policies.hf import HFPolicy
 
-        return HFPolicy.for_env(size, env, trainable, device)
-    if kind not in POLICIES:
-        raise LabError(f"unknown policy {kind!r}; choose one of {', '.join(KINDS)}")
-    return POLICIES[kind](env.n_prompts, env.vocab_size, env.length)
+        return HFPolicy.for_env(model, env, trainable, device)
+    return POLICIES[kind_name](env.n_prompts, env.vocab_size, env.length)
 
 
 def resolve_device(device) -> torch.device:

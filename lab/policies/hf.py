@@ -542,6 +542,15 @@ class HFPolicy:
         P, T = self.prompt_length, tokens.shape[-1]
         return out[:, P - 1:P - 1 + T, :self.vocab_size].reshape(*lead, T, self.vocab_size).to(theta.device)
 
+    def logits_for(self, theta: torch.Tensor, prompt_tokens: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """``logits`` for prompts given as unpadded token rows [N, P'] instead of ids (a task's held-out prompts):
+        [N, T, V], as ``lab.policies.transformer.TransformerPolicy.logits_for``."""
+        params = self.full_params(theta)
+        ids = torch.cat([prompt_tokens.to(self.device), tokens.to(self.device)[:, :-1]], dim=1)
+        out = self._forward(params, ids, None, None).logits
+        P, T = prompt_tokens.shape[1], tokens.shape[-1]
+        return out[:, P - 1:P - 1 + T, :self.vocab_size].to(theta.device)
+
     # ---- a fixed logit perturbation per state (the KL-target staleness knob) ----
     @property
     def noise_rows(self) -> int:

@@ -68,6 +68,9 @@ class Sampler(Protocol):
     def score(self, theta: torch.Tensor, prompts: torch.Tensor, tokens: torch.Tensor, dtype=torch.float32,
               routes=None) -> torch.Tensor: ...
 
+    @property
+    def moe(self) -> bool: ...  # whether tokens are routed to experts (routes recorded and replayable)
+
 
 def is_sampler(policy) -> bool:
     """Whether ``policy`` samples and scores like an inference engine and a trainer (``Sampler``)."""

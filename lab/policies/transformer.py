@@ -205,6 +205,11 @@ class TransformerPolicy:
 
     gradient_backend = "functional"
 
+    @property
+    def moe(self) -> bool:
+        """Whether its blocks route tokens to experts (then ``routes`` records them and ``score`` replays them)."""
+        return self.config.moe
+
     def __init__(self, config: TransformerConfig, prompt_tokens: torch.Tensor, initial: torch.Tensor | None = None,
                  *, length: int, vocab_size: int = 10):
         prompt_tokens = torch.as_tensor(prompt_tokens, dtype=torch.long)

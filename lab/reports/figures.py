@@ -131,10 +131,10 @@ def bias_variance_mse(results: pd.DataFrame) -> Figure:
     data = {}
     for ax, (metric, title) in zip(axes, panels):
         data[metric] = []
-        for name, color in colors.items():
+        for name, hue in colors.items():
             s = _series(results, metric, name)
             s[["value", "lo", "hi"]] /= scale
-            _line(ax, s, name, color, alpha=0.07 if metric == "bias2" else 0.14)  # bias bands overlap near 0
+            _line(ax, s, name, hue, alpha=0.07 if metric == "bias2" else 0.14)  # bias bands overlap near 0
             data[metric].append(s)
         ax.set_title(title, fontsize=10.5)
         _staleness_axis(ax, results)

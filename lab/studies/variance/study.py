@@ -33,6 +33,7 @@ from lab.engine.metrics import streamed_memory
 from lab.engine.staleness import KINDS, behaviour, check_value, optimisation_trajectory
 from lab.engine.variance import PROVIDED_INPUTS, Sampling, measure
 from lab.errors import LabError
+from lab.policies import KINDS as POLICY_KINDS
 from lab.policies import check_device, init_params, make_policy
 from lab.progress import bar
 from lab.seeding import derive_seed, generator
@@ -41,7 +42,6 @@ from lab.studies import StudyResult
 from lab.typed import knob
 
 DEFAULT_ESTIMATORS = ("reinforce", "seq_is", "token_is", "ppo_clip")
-POLICIES = ("prefix", "markov", "transformer", "hf")
 BATCH_MEMORY_BUDGET = 4 * 2**30  # bytes for the replicate batches and the bootstrap counts
 
 
@@ -53,7 +53,7 @@ class Config:
     """toy env preset (see `lab envs`)"""
     env_overrides: dict = knob({}, flag="--set", parse="pairs")
     """env fields to change, e.g. length=6"""
-    policy: Literal[POLICIES] = "prefix"
+    policy: Literal[tuple(POLICY_KINDS)] = "prefix"
     """prefix (any sequence distribution) | markov | transformer | hf (a local causal LM at --model)"""
     model: str = "small"
     """transformer size (policy transformer): test | small | medium | moe | 1m; policy hf: the model's path (a
