@@ -326,3 +326,35 @@ def test_a_kill_9_leaves_only_a_hidden_marked_folder_that_the_next_run_removes(t
     assert len(left) == 1 and left[0].name.startswith(".run.lab-") and (left[0] / ".lab").is_file()
     assert main(["train", "--steps", "1", "--out", str(tmp_path / "run")]) == 0
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
+
+
+def test_a_killed_gallery_build_leaves_no_build_running(tmp_path):
+    import signal
+    import uuid
+
+    mark = uuid.uuid4().hex
+    proc = subprocess.Popen([sys.executable, "-m", "lab.cli", "report", "--all", "--smoke", "--workers", "2", "--out",
+                             str(tmp_path / "r")], cwd=ROOT, env={**os.environ, "LAB_TEST_MARK": mark},
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    def marked() -> list[int]:
+        out = []
+        for p in Path("/proc").iterdir():
+            try:
+                if p.name.isdigit() and int(p.name) != proc.pid and mark.encode() in (p / "environ").read_bytes() \
+                        and "State:\tZ" not in (p / "status").read_text():
+                    out.append(int(p.name))
+            except OSError:
+                continue
+        return out
+
+    deadline = time.time() + 60
+    while len(marked()) < 2 and time.time() < deadline:  # two builds started
+        time.sleep(0.2)
+    assert marked(), "no build started"
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    deadline = time.time() + 30
+    while marked() and time.time() < deadline:
+        time.sleep(0.2)
+    assert marked() == []

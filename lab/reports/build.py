@@ -174,6 +174,17 @@ def run(name: str, out_root: Path = Path("reports"), **params) -> dict:
     return json.loads((path / "summary.json").read_text())
 
 
+def _end_with_parent() -> None:
+    """In a build's process before it starts (Linux): SIGTERM when the gallery's process dies, even by kill -9, so
+    that no build outlives it (each cleans its staging on SIGTERM)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
 def run_all(out_root: Path = Path("reports"), workers: int = 1, on_event=None, smoke: bool = False,
             only: list[str] | None = None, params: dict | None = None) -> list[Path]:
     """Build the gallery's reports (or ``only`` these) with their defaults (``smoke``: their small values; ``params``:
@@ -203,7 +214,8 @@ def run_all(out_root: Path = Path("reports"), workers: int = 1, on_event=None, s
             if on_event:
                 on_event("start", name, 0.0)
             running[name] = (subprocess.Popen(argv, cwd=REPO_ROOT, env=env, stdout=subprocess.DEVNULL,
-                                              stderr=subprocess.PIPE, text=True), time.perf_counter())
+                                              stderr=subprocess.PIPE, text=True, preexec_fn=_end_with_parent),
+                             time.perf_counter())
 
         try:
             while todo or running:
