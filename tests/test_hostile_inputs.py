@@ -358,3 +358,19 @@ def test_a_killed_gallery_build_leaves_no_build_running(tmp_path):
     while marked() and time.time() < deadline:
         time.sleep(0.2)
     assert marked() == []
+
+
+def test_a_sweep_record_edited_to_explode_is_refused(tmp_path):
+    from lab.engine.sweep import load_results
+    from lab.runs import marker
+
+    out = tmp_path / "s"
+    out.mkdir()
+    (out / ".lab").write_text(json.dumps(marker("sweep")))
+    (out / "sweep.json").write_text(json.dumps({"name": "s", "base": {}, "grid": {"seed": list(range(1000)),
+                                                                                  "steps": list(range(1, 1000))}}))
+    with pytest.raises(LabError, match="more than 10,000 cells"):
+        load_results(out)
+    (out / "sweep.json").write_text("[" * 100 + "]" * 100)
+    with pytest.raises(LabError, match="nests deeper"):
+        load_results(out)

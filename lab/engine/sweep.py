@@ -51,7 +51,7 @@ import pandas as pd
 import torch
 
 from lab.errors import LabError
-from lab.inputs import load_yaml
+from lab.inputs import MAX_BYTES, load_yaml, parse_json, read_text
 from lab.progress import bar
 from lab.runs import (MARKER, jsonable, atomic_dir, check_out_dir, clean_leftovers, exclusive_lock, git_revision, marker,
                       package_versions, read_marker, remove_empty, write_atomic, write_json)
@@ -419,8 +419,11 @@ def load_results(out_dir) -> tuple[pd.DataFrame, pd.DataFrame]:
     out = Path(out_dir)
     if not (out / "sweep.json").is_file():
         raise LabError(f"{out} is not a sweep folder (no sweep.json); run `lab sweep SPEC.yaml --out {out}` first")
-    meta = json.loads((out / "sweep.json").read_text())
+    meta = parse_json(read_text(out / "sweep.json", "sweep record", max_bytes=16 * MAX_BYTES), f"{out}/sweep.json")
+    if not isinstance(meta, dict) or not {"name", "base", "grid"} <= set(meta):
+        raise LabError(f"{out}/sweep.json is not a sweep record (name, base, grid); rerun the sweep into a new folder")
     spec = SweepSpec(meta["name"], meta["base"] or {}, meta["grid"] or {}, meta.get("kind", "train"))
+    _check_spec(spec)  # bounded like a spec: a record edited by hand cannot expand to millions of cells
     keys = list(spec.grid)
     steps, runs = [], []
     for config in (resolve({**spec.base, **dict(zip(keys, combo))}, spec.kind)
