@@ -40,7 +40,7 @@ from lab.engine.batches import Batch, draw_batches  # noqa: E402
 from lab.engine.estimator import Estimator  # noqa: E402
 from lab.engine.gradients import loop_gradients, replicate_gradients  # noqa: E402
 from lab.policies import init_params, make_policy, token_log_probs  # noqa: E402
-from lab.studies.variance import DEFAULT_ESTIMATORS  # noqa: E402
+from lab.studies.variance.study import DEFAULT_ESTIMATORS  # noqa: E402
 
 TOL = 1e-6  # max |engine - loop| / max(1, max |loop|)
 TARGET_RATIO = 3.0  # against the per-replicate loop

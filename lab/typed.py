@@ -140,6 +140,14 @@ def parse(text: str, tp, name: str):
         inner = [a for a in args if a is not type(None)]
         if len(inner) == 1:
             return parse(text, inner[0], name)
+        if text.startswith(("[", "{")):
+            return check_value(parse_json(text, name), tp, name)
+        for a in inner:
+            try:
+                return parse(text, a, name)
+            except LabError:
+                continue
+        raise LabError(f"{name} must be {describe(tp)}, got {text!r}")
     if tp is bool:
         low = text.lower()
         if low in ("true", "yes", "1"):

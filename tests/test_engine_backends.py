@@ -15,7 +15,7 @@ from lab.engine.exact import Problem
 from lab.engine.gradients import replicate_gradients
 from lab.engine.metrics import gram_metrics, streamed_metrics
 from lab.policies import MarkovPolicy, PrefixTreePolicy, Tempered, init_params, make_policy, token_log_probs
-from lab.studies import variance
+from lab.studies.variance import study as variance
 
 
 @dataclass(frozen=True)

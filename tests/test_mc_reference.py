@@ -11,7 +11,7 @@ from lab.engine.exact import (Problem, divergence, divergence_intervals, exact_s
 from lab.engine.metrics import gram_metrics
 from lab.engine.staleness import behaviour, optimisation_trajectory
 from lab.policies import init_params, make_policy
-from lab.studies import variance
+from lab.studies.variance import study as variance
 
 METRICS = ("kl_seq", "kl_token", "chi2_seq", "chi2_token", "logw_var", "mean_len")
 

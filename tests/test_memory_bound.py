@@ -10,7 +10,7 @@ from lab.engine import variance as engine
 from lab.engine.gradients import budget_chunk
 from lab.engine.metrics import streamed_memory
 from lab.errors import LabError
-from lab.studies import variance
+from lab.studies.variance import study as variance
 
 ROWS = 4  # the budget, in replicates (float64 rows of D parameters)
 

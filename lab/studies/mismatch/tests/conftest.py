@@ -1,13 +1,8 @@
-"""This folder's tests use the suite's shared fixtures (tests/conftest.py: no network, one torch thread)."""
-import importlib.util
+"""The mismatch study's fixtures (the suite's own, such as no_network and one_thread, come from the root
+conftest.py)."""
 from pathlib import Path
 
 import pytest
-
-_spec = importlib.util.spec_from_file_location("_suite_conftest", Path(__file__).parents[4] / "tests" / "conftest.py")
-_suite = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(_suite)
-no_network, one_thread = _suite.no_network, _suite.one_thread
 
 
 @pytest.fixture(scope="session")

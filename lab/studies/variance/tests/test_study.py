@@ -13,8 +13,8 @@ from lab.engine.gradients import expected_gradient, loop_gradients, replicate_gr
 from lab.engine.metrics import gram_metrics
 from lab.policies import init_params, make_policy
 from lab.engine.staleness import behaviour, optimisation_trajectory
-from lab.studies.variance import Config as VarianceConfig
-from lab.studies.variance import run as run_study
+from lab.studies.variance.study import Config as VarianceConfig
+from lab.studies.variance.study import run as run_study
 
 LIMIT = toy_envs.DEFAULT_ENUM_LIMIT
 CORE = ["reinforce", "seq_is", "token_is", "ppo_clip"]
