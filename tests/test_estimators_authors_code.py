@@ -175,7 +175,8 @@ def test_ctpo_prefix_ratio_by_hand():
     # log rho = (0.01, 0.02): the ratio of token 2 is exp(0.03), inside [exp(-0.025 sqrt 2), exp(0.05 sqrt 2)]
     lp = torch.tensor([[-1.0, -2.0]], dtype=torch.float64, requires_grad=True)
     old = lp.detach() - torch.tensor([[0.01, 0.02]], dtype=torch.float64)
-    loss, m = estimators.get("ctpo")(lp, old, torch.ones(1, 2, dtype=torch.float64), torch.ones(1, 2, dtype=torch.float64))
+    ones = torch.ones(1, 2, dtype=torch.float64)
+    loss, m = estimators.get("ctpo")(lp, old, ones, ones)
     assert float(loss.detach()) == pytest.approx(-(math.exp(0.01) + math.exp(0.03)) / 2, rel=1e-12)
     (g,) = torch.autograd.grad(loss, lp)
     assert torch.allclose(g, -torch.tensor([[math.exp(0.01), math.exp(0.03)]], dtype=torch.float64) / 2)

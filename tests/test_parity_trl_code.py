@@ -31,7 +31,8 @@ def trainer(loss_type, level="token", eps_low=0.2, eps_high=0.2, vllm=False, ops
         args=args, loss_type=loss_type, importance_sampling_level=level, epsilon_low=eps_low, epsilon_high=eps_high,
         beta=0.0, top_entropy_quantile=1.0, off_policy_mask_threshold=opsm, aux_loss_enabled=False,
         use_vllm=vllm, vllm_importance_sampling_correction=vllm, max_completion_length=T,
-        current_gradient_accumulation_steps=1, _entropy_bonus_enabled=False, _metrics=defaultdict(lambda: defaultdict(list)),
+        current_gradient_accumulation_steps=1, _entropy_bonus_enabled=False,
+        _metrics=defaultdict(lambda: defaultdict(list)),
         model=types.SimpleNamespace(training=True),
         accelerator=types.SimpleNamespace(num_processes=1, gather=lambda x: x,
                                           reduce=lambda x, reduction: x))

@@ -142,7 +142,8 @@ def vopd(log_prob, old_log_prob, advantages, response_mask, loss_agg_mode="token
           domains={"k": "positive integer", "importance_weights": "bool"})
 def vopd_topk(log_prob, old_log_prob, advantages, response_mask, loss_agg_mode="token-mean", *, teacher_log_prob,
               logits, teacher_logits, k=100, importance_weights=False):
-    """vOPD, top-k baseline: loss_t = -sg[r_t + KL^k_t] log pi_S(y_t|s_t), KL^k_t renormalised on the student's top-k."""
+    """vOPD, top-k baseline: loss_t = -sg[r_t + KL^k_t] log pi_S(y_t|s_t), KL^k_t renormalised on the student's
+    top-k."""
     _check_k(k)
     kl_k, mass = topk_reverse_kl(logits.detach(), teacher_logits, k)
     adv = (teacher_log_prob - log_prob + kl_k).detach() * response_mask

@@ -114,9 +114,9 @@ DPPO_SOURCE = ("DPPO (arXiv 2602.04879); verl 0.9.1 verl/trainer/ppo/core_algos.
                "0.4.0 dppo (skyrl/backends/skyrl_train/utils/ppo_utils.py, 7fee019)")
 DPPO_PAPER = "DPPO, 'Rethinking the Trust Region in LLM RL' (arXiv 2602.04879)"
 DPPO_DIFFERENCES = ("with rollout_log_probs the sampler is mu for both the ratio and the mask (the paper's section "
-                    "5.2, SkyRL); verl's decoupled mode keeps pi_old and multiplies its rollout-correction weights in. verl "
-                    "with ActorConfig defaults runs delta 0.2 and cap 3.0; SkyRL defaults to delta 0.2 (TV) and keeps "
-                    "the ratio in the graph without a cap (the same gradient below the cap)")
+                    "5.2, SkyRL); verl's decoupled mode keeps pi_old and multiplies its rollout-correction weights in. "
+                    "verl with ActorConfig defaults runs delta 0.2 and cap 3.0; SkyRL defaults to delta 0.2 (TV) and "
+                    "keeps the ratio in the graph without a cap (the same gradient below the cap)")
 
 
 @register("dppo_tv", label="DPPO-TV", paper=DPPO_PAPER, unbiased="on-policy",

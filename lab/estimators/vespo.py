@@ -60,13 +60,12 @@ import numbers
 import numpy as np
 from lab.lazy import torch
 from lab.lazy import LazyModule
-
-special = LazyModule("scipy.special")  # gamma, gammainc, xlogy: loaded on first use
-
 from lab.errors import LabError
 from lab.estimators.aggregation import agg_loss, masked_mean
 from lab.estimators.policy_gradient import LOG_RATIO_BOUND, token_log_ratio
 from lab.estimators.registry import register
+
+special = LazyModule("scipy.special")  # gamma, gammainc, xlogy: loaded on first use
 
 K_POS, LAMBDA_POS, K_NEG, LAMBDA_NEG = 2.0, 3.0, 3.0, 2.0  # the authors' code and run scripts
 W_FLOOR = 1e-8  # the reference takes log(max(W, 1e-8)) and log(max(rollout weight, 1e-8))

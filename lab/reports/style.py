@@ -15,12 +15,14 @@ from lab import estimators
 matplotlib.rcParams["figure.dpi"] = 150
 
 # distinguishable colours: tab10, then the shades of tab20, tab20b and tab20c (one per registered estimator)
-_PALETTE = ["#7f7f7f", "#d62728", "#9467bd", "#ff7f0e", "#8c564b", "#e377c2", "#17becf", "#bcbd22", "#2ca02c", "#1f77b4",
-            "#393b79", "#637939", "#8c6d31", "#843c39", "#7b4173", "#3182bd", "#e6550d", "#31a354", "#756bb1", "#636363",
-            "#6baed6", "#fd8d3c", "#74c476", "#9e9ac8", "#ad494a", "#a55194", "#b5cf6b", "#e7ba52", "#ce6dbd", "#6b6ecf",
-            "#aec7e8", "#ffbb78", "#98df8a", "#ff9896", "#c5b0d5", "#c49c94", "#f7b6d2", "#c7c7c7", "#dbdb8d", "#9edae5",
-            "#5254a3", "#9c9ede", "#8ca252", "#cedb9c", "#bd9e39", "#e7cb94", "#d6616b", "#e7969c", "#de9ed6", "#9ecae1",
-            "#c6dbef", "#fdae6b", "#fdd0a2", "#a1d99b", "#c7e9c0", "#bcbddc", "#dadaeb", "#969696", "#bdbdbd", "#d9d9d9"]
+_PALETTE = [
+    "#7f7f7f", "#d62728", "#9467bd", "#ff7f0e", "#8c564b", "#e377c2", "#17becf", "#bcbd22", "#2ca02c", "#1f77b4",
+    "#393b79", "#637939", "#8c6d31", "#843c39", "#7b4173", "#3182bd", "#e6550d", "#31a354", "#756bb1", "#636363",
+    "#6baed6", "#fd8d3c", "#74c476", "#9e9ac8", "#ad494a", "#a55194", "#b5cf6b", "#e7ba52", "#ce6dbd", "#6b6ecf",
+    "#aec7e8", "#ffbb78", "#98df8a", "#ff9896", "#c5b0d5", "#c49c94", "#f7b6d2", "#c7c7c7", "#dbdb8d", "#9edae5",
+    "#5254a3", "#9c9ede", "#8ca252", "#cedb9c", "#bd9e39", "#e7cb94", "#d6616b", "#e7969c", "#de9ed6", "#9ecae1",
+    "#c6dbef", "#fdae6b", "#fdd0a2", "#a1d99b", "#c7e9c0", "#bcbddc", "#dadaeb", "#969696", "#bdbdbd", "#d9d9d9",
+]
 _PINNED = {"reinforce": "#7f7f7f", "seq_is": "#d62728", "token_is": "#9467bd", "ppo_clip": "#ff7f0e",
            "vespo": "#1f77b4", "gvpo": "#2ca02c", "opd": "#636363", "vopd": "#3182bd", "kl_full": "#31a354"}
 _VARIANTS = {"opd_rtg": "#9e9ac8", "vopd_top": "#6baed6", "kl_top": "#74c476"}

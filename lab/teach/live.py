@@ -154,7 +154,8 @@ def clip_mask_ui(kl: float = 0.1, vocab: int = 64, seed: int = 0, method: str = 
         state = np.where(coef == 0, 2, np.where(np.isclose(coef, rho), 0, 1))
         colors = np.array([plots.COLORS[0], plots.COLORS[3], plots.COLORS[1]])[state]
         ax.scatter(np.log(rho), table["advantage"], s=4 + 300 * table["mu"], c=colors, alpha=0.7)
-        ax.set(xlabel="log rho", ylabel="A", title=f"{clip_mask.LABELS[method]}: blue kept, orange reweighted, red dropped")
+        ax.set(xlabel="log rho", ylabel="A",
+               title=f"{clip_mask.LABELS[method]}: blue kept, orange reweighted, red dropped")
         ax.title.set_fontsize(8)
         pivot = summary.pivot(index="method", columns="metric", values="value").loc[list(clip_mask.METHODS)]
         x = np.arange(len(pivot))
@@ -228,7 +229,8 @@ def gvpo_ui(beta: float = 0.5, lr: float = 1.0, steps: int = 300, sampler: str =
             c = plots.COLORS[i]
             ax.plot(np.maximum(gv["tv"][:, i], 1e-12), color=c, lw=2, label=s)
             ax.plot(np.maximum(nv["tv"][:, i], 1e-12), "--", color=c, lw=1)
-        ax.set(yscale="log", ylim=(1e-9, 1.5), xlabel="step", ylabel="TV(pi, pi*)", title="solid GVPO, dashed uncentred")
+        ax.set(yscale="log", ylim=(1e-9, 1.5), xlabel="step", ylabel="TV(pi, pi*)",
+               title="solid GVPO, dashed uncentred")
         ax.legend(fontsize=6)
         i = gvpo_zero_sum.SAMPLERS.index(sampler)
         opt = np.exp(gvpo_zero_sum.optimum(log_ref, reward, beta))
@@ -280,6 +282,8 @@ def vopd_ui(vocab: int = 3, sharpness: float = 1.0, closeness: float = 0.0, seed
         return fig, text
 
     return Live("vOPD's baseline: vocabulary, peakedness, teacher closeness, draw",
-                {"vocab": ints("vocabulary V", vocab, 2, 256), "sharpness": floats("logit scale", sharpness, 0.2, 4.0, 0.1),
-                 "closeness": floats("teacher closeness", closeness, 0.0, 0.99, 0.01), "seed": ints("draw", seed, 0, 50)},
+                {"vocab": ints("vocabulary V", vocab, 2, 256),
+                 "sharpness": floats("logit scale", sharpness, 0.2, 4.0, 0.1),
+                 "closeness": floats("teacher closeness", closeness, 0.0, 0.99, 0.01),
+                 "seed": ints("draw", seed, 0, 50)},
                 draw, "vopd_baseline")
