@@ -16,9 +16,10 @@ interval over sequences (lab.diagnose.fits.ratio_intervals), and the share of to
 The first condition is the test (an untruncated sampler's rbar is 1 up to sampling error; the margin 0.01 leaves out
 rounding of reported log-probs and truncation that removes less than 1 % of the mass); the second guards it against
 heavy right tails (a very stale sampler's rbar, a mean of rare large ratios, falls below 1 in most finite samples,
-but its log-ratio is two-sided). Calibrated and tested on lab.diagnose.synthetic.simulate (tests/test_diagnose_truncation.py):
-top_p 0.8-0.95 and top_k 5-20 fire, bf16 mismatch and stale samplers do not. Under truncation rbar estimates the mean
-kept mass pi(S_t) over sampled positions (each top-p kept set holds at least top_p of the sampler's mass).
+but its log-ratio is two-sided). Calibrated and tested on lab.diagnose.synthetic.simulate
+(tests/test_diagnose_truncation.py): top_p 0.8-0.95 and top_k 5-20 fire, bf16 mismatch and stale samplers do not.
+Under truncation rbar estimates the mean kept mass pi(S_t) over sampled positions (each top-p kept set holds at least
+top_p of the sampler's mass).
 
 With kept sets (``kept_token_ids``: slime's ``rollout_top_p_token_ids`` / offsets), the same statistic on the tokens
 that carry a set says whether the trainer's log-probs were renormalised over them (mask replay: rbar = 1) or not;
@@ -161,7 +162,8 @@ def summary(acc: Accumulator, table: list[dict], sampling: dict) -> dict | None:
     kept = None
     if "kept_sets" in by:
         n_all = by["all"]["n_tok"]
-        kept = {"share": n_set / n_all if n_all else float("nan"), "mean_size": size_sum / n_set if n_set else float("nan"),
+        kept = {"share": n_set / n_all if n_all else float("nan"),
+                "mean_size": size_sum / n_set if n_set else float("nan"),
                 "singletons": int(n_one),
                 **{f"singleton_mean_{c}": (v / n_one if n_one else float("nan")) for c, v in acc.single.items()},
                 **{k: by["kept_sets"][k] for k in ("n_tok", "mean_ratio", "mean_ratio_lo", "mean_ratio_hi",
