@@ -205,8 +205,9 @@ def test_slime_kept_sets_become_the_kept_token_ids_column(tmp_path, where):
     assert k["n_tok"] == sum(len(sets) - 1 for sets in want) and k["mean_size"] == 3.0
 
 
-@pytest.mark.parametrize("bad,message", [("offsets", "'rollout_top_p_token_offsets' must be response_lengths \\+ 1"),
-                                         ("ids only", "has rollout_top_p_token_ids without rollout_top_p_token_offsets")])
+@pytest.mark.parametrize("bad,message", [
+    ("offsets", "'rollout_top_p_token_offsets' must be response_lengths \\+ 1"),
+    ("ids only", "has rollout_top_p_token_ids without rollout_top_p_token_offsets")])
 def test_slime_malformed_kept_sets_are_one_line(tmp_path, bad, message):
     dump, _ = _slime_dump(tmp_path, np.random.default_rng(0), bad=bad)
     with pytest.raises(LabError, match=message):

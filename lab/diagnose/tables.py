@@ -105,6 +105,7 @@ def build(st, seed: int = 0) -> Diagnostics:
     summary.update(_run_summary(st))
     summary["verdict"] = verdict(summary)
     summary["headline"] = summary["verdict"][0] if summary["verdict"] else ""
+    summary["truncation"] = summary.pop("truncation")  # last: added after the summary's first release
     tables["results"] = tidy(tables)
     return Diagnostics(meta=st.log.meta, summary=summary, tables=tables)
 
@@ -121,7 +122,7 @@ def _intervals(st, seq_corr: dict, seed: int) -> dict:
         acc = st.tok_corr.get(c.name) or seq_corr[c.name]
         req[f"removed/{c.name}"] = (acc["seq_removed"], acc["seq_w"])
         req[f"added/{c.name}"] = (acc["seq_added"], acc["seq_w"])
-    req.update(st.trunc.requests(st.n_valid))
+    req.update(st.trunc.requests(st.n_valid))  # the mean ratio and the share below 1 (lab.diagnose.truncation)
     return ratio_intervals(req, seed=seed)
 
 

@@ -165,7 +165,8 @@ def summary(acc: Accumulator, table: list[dict], sampling: dict) -> dict | None:
         kept = {"share": n_set / n_all if n_all else float("nan"),
                 "mean_size": size_sum / n_set if n_set else float("nan"),
                 "singletons": int(n_one),
-                **{f"singleton_mean_{c}": (v / n_one if n_one else float("nan")) for c, v in acc.single.items()},
+                **{f"singleton_mean_{c}": (acc.single[c] / n_one if n_one and c in acc.single else float("nan"))
+                   for c in ("sampler_logp", "old_logp", "current_logp")},
                 **{k: by["kept_sets"][k] for k in ("n_tok", "mean_ratio", "mean_ratio_lo", "mean_ratio_hi",
                                                     "below_one", "detected")}}
     a = by["all"]
