@@ -172,9 +172,11 @@ def _sampling(summary: dict, om: dict) -> str | None:
         if t["detected"]:
             bound = (f"; a top-p {t['top_p']} kept set holds at least {t['top_p']}" if t.get("top_p") and t["top_p"] < 1
                      else "")
+            check = ("" if t["declared"] else "; if the engine did not truncate, look for log-probs reported at "
+                     "another temperature than the one sampled")
             return (f"Truncated sampling detected: {ratio} ({_settings(t)}): the engine reports log-probs of its "
                     f"truncated, renormalised distribution, so each token's ratio is the mass the trainer gives the "
-                    f"kept set, about {_r(t['mean_ratio'])} on average{bound}; {FIX}.")
+                    f"kept set, about {_r(t['mean_ratio'])} on average{bound}; {FIX}{check}.")
         if t["declared"]:
             return (f"Sampling was truncated ({_settings(t)[len('the log declares '):]}) but the ratios do not show "
                     f"it: {ratio} (detection needs the interval below {RATIO_MAX} and {_pct(ONE_SIDED)} below 1); "
