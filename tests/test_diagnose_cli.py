@@ -58,10 +58,20 @@ def test_hyper_parameters_sampling_and_one_sided_logs(tmp_path, capsys):
                         "loss_mask": np.ones(n, bool), "sampler_logp": s,
                         "old_logp": s - np.float32(0.05) + 0.005 * rng.standard_normal(n).astype(np.float32)})
         w.write_sequences({"run": "", "step": 1, "sample_id": np.arange(40), "response_length": lens})
-    assert main([str(tmp_path / "log")]) == 0
-    assert "one-sided: 100 % of tokens are negative" in capsys.readouterr().out
+    assert main([str(tmp_path / "log")]) == 0  # a mean ratio of 0.95 with every token below 1: truncation's mark
+    out = capsys.readouterr().out
+    assert "Truncated sampling detected: mean trainer/sampler token ratio 0.951" in out
+    assert "the log declares no truncation" in out and "another temperature" in out
     assert main([str(tmp_path / "log"), "--top-p", "0.95"]) == 0
-    assert "Sampling was truncated (top_p 0.95)" in capsys.readouterr().out
+    assert "(the log declares top_p 0.95)" in capsys.readouterr().out
+    with NeutralLogWriter(tmp_path / "small", meta) as w:  # 0.005 below: one-sided, but the mean ratio is 0.995
+        w.write_tokens({"run": "", "step": 1, "sample_id": np.repeat(np.arange(40), 100),
+                        "position": np.tile(np.arange(100), 40), "loss_mask": np.ones(n, bool), "sampler_logp": s,
+                        "old_logp": s - np.float32(0.005) + 0.0005 * rng.standard_normal(n).astype(np.float32)})
+        w.write_sequences({"run": "", "step": 1, "sample_id": np.arange(40), "response_length": lens})
+    assert main([str(tmp_path / "small")]) == 0
+    out = capsys.readouterr().out
+    assert "one-sided: 100 % of tokens are negative" in out and "Truncated sampling detected" not in out
     base = diagnose(tmp_path / "log", progress=False).tables["corrections"].set_index("name")
     tight = diagnose(tmp_path / "log", hyper={"mis_token": {"lower": 0.96}}, progress=False
                      ).tables["corrections"].set_index("name")

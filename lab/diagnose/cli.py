@@ -24,8 +24,8 @@ from lab.configs import seed_arg
 from lab.errors import LabError
 from lab.runs import remove_empty
 
-TABLES = ("per_step", "overall", "by_probability", "by_length", "growth", "staleness", "corrections", "histograms",
-          "dashboards")
+TABLES = ("per_step", "overall", "by_probability", "by_length", "growth", "staleness", "corrections", "truncation",
+          "histograms", "dashboards")
 
 
 def _from_help() -> str:

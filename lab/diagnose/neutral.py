@@ -23,8 +23,9 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from lab.diagnose.schema import (KEY, LOGP_COLUMNS, META, SEQUENCE_COLUMNS, SEQUENCES, TOKEN_COLUMNS, TOKENS,
-                                 arrow_schema, check_meta, check_schema, make_meta, read_meta)
+from lab.diagnose.schema import (ALL_TOKEN_COLUMNS, KEY, LOGP_COLUMNS, META, OPTIONAL_TOKEN_COLUMNS, SEQUENCE_COLUMNS,
+                                 SEQUENCES, TOKEN_COLUMNS, TOKENS, arrow_schema, check_meta, check_schema, make_meta,
+                                 read_meta)
 from lab.errors import LabError
 from lab.runs import replace_dir
 
@@ -50,6 +51,8 @@ def _column(values, field: pa.Field, n: int) -> pa.Array:
         if not field.nullable:
             raise LabError(f"column {field.name!r} is required")
         return pa.nulls(n, typ)
+    if pa.types.is_list(typ):
+        return kept_sets_array(values, n, field.name)
     if isinstance(values, str) and pa.types.is_string(typ):  # one value for every row
         return pa.DictionaryArray.from_arrays(pa.array(np.zeros(n, np.int32)), pa.array([values])).cast(typ)
     if isinstance(values, (list, tuple)) and pa.types.is_string(typ):
@@ -69,6 +72,36 @@ def _column(values, field: pa.Field, n: int) -> pa.Array:
     return pa.array(arr.astype(typ.to_pandas_dtype(), copy=False), type=typ)
 
 
+def kept_sets_array(values, n: int, name: str = "kept_token_ids") -> pa.Array:
+    """An arrow list<int64> column of per-token kept sets from a pyarrow list array (``kept_sets_from_offsets``) or
+    a list of ``n`` id arrays (None: not recorded)."""
+    typ = pa.list_(pa.int64())
+    if isinstance(values, (pa.Array, pa.ChunkedArray)):
+        arr = values.combine_chunks() if isinstance(values, pa.ChunkedArray) else values
+    else:
+        values = list(values)
+        sizes = np.array([-1 if v is None else np.size(v) for v in values], dtype=np.int64)
+        flat = [np.asarray(v, dtype=np.int64).reshape(-1) for v in values if v is not None]
+        arr = _list_array(np.concatenate(flat) if flat else np.zeros(0, np.int64),
+                          np.concatenate(([0], np.cumsum(np.maximum(sizes, 0)))), sizes < 0)
+    if len(arr) != n:
+        raise LabError(f"column {name!r} has {len(arr)} rows, expected {n}")
+    return arr.cast(typ)
+
+
+def _list_array(ids: np.ndarray, offsets: np.ndarray, missing: np.ndarray) -> pa.Array:
+    return pa.ListArray.from_arrays(pa.array(offsets.astype(np.int32)), pa.array(ids.astype(np.int64)),
+                                    mask=pa.array(missing) if missing.any() else None)
+
+
+def kept_sets_from_offsets(ids, offsets) -> pa.Array:
+    """Kept sets in slime's layout (``rollout_top_p_token_ids`` / ``rollout_top_p_token_offsets``: the set of
+    response token i is ids[offsets[i]:offsets[i + 1]]) as a list column; an empty span is a position without a
+    recorded set (slime pads appended tool tokens so), written as null."""
+    ids, offsets = np.asarray(ids, np.int64).reshape(-1), np.asarray(offsets, np.int64).reshape(-1)
+    return _list_array(ids, offsets, np.diff(offsets) == 0)
+
+
 class NeutralLogWriter:
     """Stage a neutral log in a hidden sibling folder; ``close()`` renames it to ``path`` (replacing an older log).
 
@@ -83,7 +116,7 @@ class NeutralLogWriter:
         self.row_group_rows = int(row_group_rows)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._tmp = Path(tempfile.mkdtemp(prefix=f".{self.path.name}.", dir=self.path.parent))
-        self._tok_schema = arrow_schema(TOKEN_COLUMNS, self.meta["logp_dtype"])
+        self._tok_schema = arrow_schema(ALL_TOKEN_COLUMNS, self.meta["logp_dtype"])
         self._seq_schema = arrow_schema(SEQUENCE_COLUMNS)
         self._tok_writer = pq.ParquetWriter(self._tmp / TOKENS, self._tok_schema)
         self._seq_writer = pq.ParquetWriter(self._tmp / SEQUENCES, self._seq_schema)
@@ -96,7 +129,8 @@ class NeutralLogWriter:
         unknown = set(cols) - set(schema.names)
         if unknown:
             raise LabError(f"unknown column(s) {', '.join(sorted(unknown))}; known: {', '.join(schema.names)}")
-        lengths = {len(v) for v in cols.values() if v is not None and not isinstance(v, str) and np.ndim(v) > 0}
+        lengths = {len(v) for k, v in cols.items() if v is not None and not isinstance(v, str) and
+                   (k == "kept_token_ids" or np.ndim(v) > 0)}
         if len(lengths) != 1:
             raise LabError(f"columns have different lengths {sorted(lengths)}")
         n = lengths.pop()
@@ -203,12 +237,15 @@ class RolloutLogWriter:
 
         with RolloutLogWriter("runs/x/rollout_log", meta) as log:       # meta: schema.make_meta(...) or None
             log.add(step, sample_ids, tokens, mask, sampler_logp=mu, old_logp=old, current_logp=None,
-                    version=None, advantages=adv, rewards=None, group_ids=None, entropy=None, trainer_version=None)
+                    version=None, advantages=adv, rewards=None, group_ids=None, entropy=None, trainer_version=None,
+                    kept_token_ids=None)
 
     ``step``, ``sample_ids``, ``tokens`` and ``mask`` are positional; everything else is a keyword and may be left
     out (None: the log does not have it).
     Shapes: ``tokens``, ``mask``, the log-probs, ``entropy`` [B, T]; ``sample_ids``, ``rewards``, ``group_ids`` [B];
-    ``advantages`` and ``version`` [B] or [B, T]; ``trainer_version`` an int or [B]. A log-prob argument is None
+    ``advantages`` and ``version`` [B] or [B, T]; ``trainer_version`` an int or [B]; ``kept_token_ids`` B rows of
+    per-position kept sets (an id array, or None where not recorded), each row at least as long as the row's
+    positions up to its last loss-masked token. A log-prob argument is None
     exactly when the metadata declares it absent. Each row keeps its positions up to its last loss-masked token
     (trailing padding is dropped; gaps inside the response stay, with loss_mask 0). ``meta=None`` describes a lab
     run (``LAB_LOGP``). Tensors may be on any device and of any dtype (bfloat16 log-probs are stored as float32,
@@ -234,7 +271,7 @@ class RolloutLogWriter:
 
     def add(self, step, sample_ids, tokens, mask, *, sampler_logp=None, old_logp=None, current_logp=None,
             version=None, advantages=None, rewards=None, group_ids=None, entropy=None,
-            trainer_version=None) -> None:
+            trainer_version=None, kept_token_ids=None) -> None:
         mask = _np(mask, "mask")
         if mask is None or mask.ndim != 2:
             raise LabError(f"mask must be a [B, T] tensor, got shape {None if mask is None else mask.shape}")
@@ -280,6 +317,11 @@ class RolloutLogWriter:
                 "loss_mask": m[keep], "version": tok(version), "advantage": tok(advantages), "entropy": tok(entropy)}
         for name, arr in logp.items():
             cols[name] = None if arr is None else arr.astype(want, copy=False)[keep]
+        if kept_token_ids is not None:
+            if len(kept_token_ids) != B or any(len(row) < n_b for row, n_b in zip(kept_token_ids, length)):
+                raise LabError(f"kept_token_ids must hold B = {B} rows, each with a kept set (or None) for every "
+                               f"position up to the row's last loss-masked token")
+            cols["kept_token_ids"] = [row[t] for row, n_b in zip(kept_token_ids, length) for t in range(n_b)]
         writer.write_tokens(cols)
 
         def first_masked(a):  # [B, T] -> value at each row's first loss-masked token (NaN if none)
@@ -302,6 +344,10 @@ class RolloutLogWriter:
                                 "advantage": seq_adv, "response_length": length, "version_min": vmin,
                                 "version_max": vmax, "trainer_version": trainer_version, "origin": None})
         self._width = T if self._width is False or self._width == T else None
+
+    def note(self, text: str) -> None:
+        """Add a line to the log's notes (meta.json)."""
+        (self._writer.meta if self._writer is not None else self.meta)["notes"].append(str(text))
 
     def close(self) -> Path:
         if self._writer is None:  # nothing added: an empty log is still a valid log
@@ -341,7 +387,8 @@ class RolloutLog:
             if not f.exists():
                 raise LabError(f"{f}: no such file; a neutral rollout log needs {TOKENS}, {SEQUENCES} and {META}")
         self._tok = self._open(self.tokens_file)
-        check_schema(self._tok.schema_arrow, TOKEN_COLUMNS, self.tokens_file)
+        check_schema(self._tok.schema_arrow, TOKEN_COLUMNS, self.tokens_file, OPTIONAL_TOKEN_COLUMNS)
+        self.has_kept_sets = "kept_token_ids" in self._tok.schema_arrow.names
         check_schema(self._open(self.sequences_file).schema_arrow, SEQUENCE_COLUMNS, self.sequences_file)
         self.n_token_rows = self._tok.metadata.num_rows
         self.logp_columns = [c for c in LOGP_COLUMNS if self.meta["logp"][c] is not None]
@@ -394,7 +441,8 @@ class RolloutLog:
     def iter_tokens(self, columns, chunk_rows: int = 1 << 20) -> Iterator[tuple[int, dict]]:
         """Yield (first row number, {column: numpy array}) chunks; ``run`` comes as integer codes (``run``) into the
         chunk's list of run names (``run_values``); an optional column that is null on every row of the chunk comes
-        as None, a log-prob column as NaN. Required columns are checked for nulls."""
+        as None, a log-prob column as NaN; ``kept_token_ids`` comes as (offsets [n + 1], ids, recorded [n]) arrays
+        (row i's set is ids[offsets[i]:offsets[i + 1]]). Required columns are checked for nulls."""
         columns = list(dict.fromkeys(columns))
         offset = 0
         try:
@@ -410,7 +458,7 @@ class RolloutLog:
         n = batch.num_rows
         for name in columns:
             col = batch.column(name)
-            if TOKEN_COLUMNS[name][1] and col.null_count:
+            if ALL_TOKEN_COLUMNS[name][1] and col.null_count:
                 row = offset + int(np.flatnonzero(col.is_null().to_numpy(zero_copy_only=False))[0])
                 raise LabError(f"{self.tokens_file}: row {row}: column {name!r} is null; it is required")
             if name == "run":
@@ -422,9 +470,22 @@ class RolloutLog:
                     out["run"], out["run_values"] = codes, [str(v) for v in values]
             elif n and col.null_count == n:
                 out[name] = np.full(n, np.nan) if name in LOGP_COLUMNS else None
+            elif name == "kept_token_ids":
+                out[name] = _list_parts(col)
             else:
                 out[name] = col.to_numpy(zero_copy_only=False)
         return out
+
+
+def _list_parts(col: pa.Array) -> tuple:
+    """(offsets [n + 1] from 0, ids, recorded [n] bool) of a list<int> column chunk."""
+    if pa.types.is_null(col.type):
+        n = len(col)
+        return np.zeros(n + 1, np.int64), np.zeros(0, np.int64), np.zeros(n, bool)
+    offsets = col.offsets.to_numpy().astype(np.int64)
+    ids = col.values.to_numpy(zero_copy_only=False)[offsets[0]:offsets[-1]].astype(np.int64, copy=False)
+    recorded = ~col.is_null().to_numpy(zero_copy_only=False)
+    return offsets - offsets[0], ids, recorded
 
 
 def open_log(path) -> RolloutLog:

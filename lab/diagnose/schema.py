@@ -3,7 +3,8 @@
 A log is a folder with three files (specified in docs/rollout-logs.md):
 
     tokens.parquet     one row per response token: run, step, sample_id, position, token_id, loss_mask,
-                       sampler_logp, old_logp, current_logp, version, advantage, entropy
+                       sampler_logp, old_logp, current_logp, version, advantage, entropy, and optionally
+                       kept_token_ids (the sampler's kept set at the position, when it truncated)
     sequences.parquet  one row per (run, step, sample_id): group_id, reward, advantage, response_length,
                        version_min, version_max, trainer_version, origin
     meta.json          what each log-prob column means, the sampling settings, the log-prob dtype
@@ -43,6 +44,11 @@ TOKEN_COLUMNS = {
     "advantage": ("float", False),
     "entropy": ("float", False),
 }
+# optional token columns: a log without them is valid; the writers always write them (null when not recorded)
+OPTIONAL_TOKEN_COLUMNS = {
+    "kept_token_ids": ("int_list", False),
+}
+ALL_TOKEN_COLUMNS = {**TOKEN_COLUMNS, **OPTIONAL_TOKEN_COLUMNS}
 SEQUENCE_COLUMNS = {
     "run": ("string", True),
     "step": ("int", True),
@@ -58,7 +64,8 @@ SEQUENCE_COLUMNS = {
 }
 KEY = ("run", "step", "sample_id")
 
-_ARROW = {"int": pa.int64(), "float": pa.float64(), "bool": pa.bool_(), "string": pa.string()}
+_ARROW = {"int": pa.int64(), "float": pa.float64(), "bool": pa.bool_(), "string": pa.string(),
+          "int_list": pa.list_(pa.int64())}
 
 
 def arrow_schema(columns: dict, logp_dtype: str = "float32") -> pa.Schema:
@@ -82,20 +89,26 @@ def _kind_ok(kind: str, typ: pa.DataType) -> bool:
         return pa.types.is_floating(typ) or pa.types.is_null(typ)
     if kind == "bool":
         return pa.types.is_boolean(typ)
+    if kind == "int_list":
+        return pa.types.is_null(typ) or ((pa.types.is_list(typ) or pa.types.is_large_list(typ))
+                                         and pa.types.is_integer(typ.value_type))
     return pa.types.is_string(typ) or pa.types.is_large_string(typ) or pa.types.is_null(typ)
 
 
-def check_schema(schema: pa.Schema, columns: dict, file: Path) -> None:
-    """Every column present with a type of the right kind; one LabError naming the first bad column."""
+def check_schema(schema: pa.Schema, columns: dict, file: Path, optional: dict | None = None) -> None:
+    """Every column present with a type of the right kind (``optional`` ones when present); one LabError naming the
+    first bad column."""
     names = set(schema.names)
-    for name, (kind, _) in columns.items():
+    for name, (kind, _) in {**columns, **(optional or {})}.items():
+        if name not in names and name in (optional or {}):
+            continue
         if name not in names:
             raise LabError(f"{file}: column {name!r} is missing (a {file.name} table needs "
                            f"{', '.join(columns)}; see docs/rollout-logs.md)")
         typ = schema.field(name).type
         if not _kind_ok(kind, typ):
             want = {"logp": "float32 or float64", "int": "an integer type", "float": "a float type",
-                    "bool": "bool", "string": "string"}[kind]
+                    "bool": "bool", "string": "string", "int_list": "a list of integers"}[kind]
             raise LabError(f"{file}: column {name!r} has type {typ}, expected {want}")
 
 

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import pandas as pd
 
-from lab.diagnose import dashboards, histogram as H
+from lab.diagnose import dashboards, histogram as H, truncation
 from lab.diagnose.corrections import CORRECTIONS, LOG_W_BOUND, resolve, token_effect
 from lab.diagnose.neutral import RolloutLog
 from lab.errors import LabError
@@ -177,7 +177,8 @@ class _Pass:
         self.hist = {p: np.zeros((S, H.NBINS), np.int64) for p in self.pairs}
         self.mom = {p: {k: f64(S) for k in ("n", "sum", "sum2", "abs", "k3", "max")} for p in self.pairs}
         NP = len(P_EDGES) - 1
-        self.pbin = {p: {k: f64(NP) for k in ("n", "sum", "abs", "sum2")} for p in self.pairs}
+        self.pbin = {p: {k: f64(NP) for k in ("n", "sum", "abs", "sum2", "ratio")} for p in self.pairs}
+        self.trunc = truncation.Accumulator(n, self.pairs, cols, log.has_kept_sets, log.tokens_file)
         self.lag = {p: {k: f64(MAX_LAG + 3) for k in ("n", "abs", "sum")} for p in self.pairs}
         self.tok_corr = {c.name: {"tot": f64(5), "seq_changed": f64(n), "seq_w": f64(n), "seq_removed": f64(n),
                                   "seq_added": f64(n)} for c in self.corrections if c.level == "token"}
@@ -221,16 +222,21 @@ class _Pass:
         adv, a_w = self._advantages(c, k)
         pb, low = self._probability_bins(c, k)
         lag_run, lag_tok = self._lag_buckets(c, k)
-        w_pairs = {}
+        w_pairs, deltas = {}, {}
         for p in self.pairs:
             d = self._delta(c, p, k)
             self._add_pair(p, d, k, pb, low, lag_run, lag_tok)
+            if p in self.trunc.pairs:
+                deltas[p] = d
+                self.pbin[p]["ratio"] += np.bincount(pb, weights=truncation.ratio(d, valid),
+                                                     minlength=len(P_EDGES) - 1)
             if p == "mismatch" or any(corr.pair == p and corr.level == "token" for corr in self.corrections):
                 with np.errstate(over="ignore"):
                     w_pairs[p] = np.exp(np.clip(d, -LOG_W_BOUND, LOG_W_BOUND))
             if p == "mismatch":
                 self.dash.add(d, w_pairs[p], c["old_logp"], c["sampler_logp"], k)
         self._add_token_corrections(w_pairs, adv, a_w, k)
+        self.trunc.add(offset, c, k, deltas, valid, pos)
 
     def _locate_runs(self, offset: int, c: dict) -> _Chunk | None:
         """The chunk's runs (None for an empty chunk); LabError for a (run, step, sample_id) not in the sequences
@@ -539,6 +545,8 @@ def _torch_threads(n: int):
 def _diagnose(log, nan, pair, hyper, corrections, chunk_rows, progress, seed) -> Diagnostics:
     st = _Pass(log, nan, pair, hyper, corrections, chunk_rows)
     cols = ["run", "step", "sample_id", "position", "loss_mask", "advantage", "version", *log.logp_columns]
+    if log.has_kept_sets:
+        cols += ["token_id", "kept_token_ids"]
     bar = progress_bar(log.n_token_rows, "diagnose", enabled=progress, unit="tok", unit_scale=True)
     try:
         for offset, chunk in log.iter_tokens(cols, chunk_rows):

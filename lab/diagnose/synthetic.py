@@ -6,6 +6,12 @@ trained asynchronously: every group of responses is sampled by version (trainer 
 while the trainer scores the tokens in float32 at its own version (old) and after the update (current, version + 1).
 The mismatch is therefore real rounding plus real staleness, and it is largest on low-probability tokens, as in
 bf16 engines (log p = z - logsumexp z: rounding errors cancel for the dominant token and not for the others).
+With ``top_k`` / ``top_p`` the sampler truncates as vLLM and SGLang do (top-k first, then the smallest
+most-probable prefix of the top-k-renormalised distribution whose mass reaches top_p), samples from the
+renormalised q = mu 1[S] / mu(S) and records log q, so that log pi_old - log q = log pi_old(y) - log mu(y) +
+log mu(S); ``kept_sets`` records each position's kept set S (token ids, as slime's dump does) and
+``renormalise`` makes the trainer's log-probs those of pi renormalised over S (mask replay). The notes give the
+mean trainer kept mass pi_old(S) over the loss-masked tokens: under truncation alone the expected token ratio.
 
 ``random_log``: independent columns at any size (tens of millions of tokens) for throughput and memory tests;
 per-token mismatch noise grows as the sampled token's probability falls.
@@ -28,10 +34,43 @@ def _log_softmax(z: np.ndarray) -> np.ndarray:
     return z - np.log(np.exp(z).sum(-1, keepdims=True))
 
 
+def kept_mask(lp: np.ndarray, top_p: float | None = None, top_k: int | None = None) -> np.ndarray:
+    """Boolean mask [..., V] of the tokens a top-k then top-p sampler keeps from log-probs ``lp`` [..., V]: the k
+    most probable (top_k None or <= 0: all), then the smallest most-probable prefix of those, renormalised, whose
+    mass reaches top_p (None or 1: all); ties broken by token id."""
+    V = lp.shape[-1]
+    order = np.argsort(-lp, axis=-1, kind="stable")
+    p_sorted = np.exp(np.take_along_axis(lp, order, -1))
+    keep_sorted = np.ones(p_sorted.shape, bool)
+    if top_k is not None and 0 < top_k < V:
+        keep_sorted[..., top_k:] = False
+        p_sorted = np.where(keep_sorted, p_sorted, 0.0)
+    if top_p is not None and top_p < 1:
+        p_sorted = p_sorted / p_sorted.sum(-1, keepdims=True)
+        before = np.cumsum(p_sorted, -1) - p_sorted  # mass of the more probable tokens
+        keep_sorted &= before < top_p
+    mask = np.zeros(lp.shape, bool)
+    np.put_along_axis(mask, order, keep_sorted, -1)
+    return mask
+
+
+def _renormalised(lp: np.ndarray, keep: np.ndarray) -> np.ndarray:
+    """log-probs renormalised over the kept tokens (-inf outside them)."""
+    masked = np.where(keep, lp, -np.inf)
+    top = masked.max(-1, keepdims=True)
+    return masked - top - np.log(np.exp(masked - top).sum(-1, keepdims=True))
+
+
 def simulate(path, *, steps: int = 12, batch: int = 64, group_size: int = 8, vocab: int = 128, mean_len: int = 96,
              lag_max: int = 2, drift: float = 0.02, logit_scale: float = 3.0, sampler_dtype: str = "bfloat16",
-             current: bool = True, seed: int = 0):
-    """Write a simulated asynchronous run of ``steps`` batches of ``batch`` responses to ``path``; returns the path."""
+             current: bool = True, top_p: float | None = None, top_k: int | None = None, kept_sets: bool = False,
+             renormalise: bool = False, seed: int = 0):
+    """Write a simulated asynchronous run of ``steps`` batches of ``batch`` responses to ``path``; returns the path.
+    ``top_p`` / ``top_k``: a truncating sampler (module docstring); ``kept_sets``: record its kept sets;
+    ``renormalise``: the trainer's log-probs renormalised over them."""
+    truncate = (top_p is not None and top_p < 1) or (top_k is not None and 0 < top_k < vocab)
+    if (kept_sets or renormalise) and not truncate:
+        raise ValueError("kept_sets and renormalise need a truncating sampler (top_p < 1 or 0 < top_k < vocab)")
     rng = np.random.default_rng(seed)
     sdt = getattr(torch, sampler_dtype)
     V, B, G = vocab, batch, group_size
@@ -49,10 +88,19 @@ def simulate(path, *, steps: int = 12, batch: int = 64, group_size: int = 8, voc
     logp = {k: (v.format(dtype=sampler_dtype) if k == "sampler_logp" else v) for k, v in SIM_LOGP.items()}
     if not current:
         logp["current_logp"] = None
-    meta = make_meta("synthetic", logp, temperature=1.0, notes=[f"lab.diagnose.synthetic.simulate(steps={steps}, "
-                     f"batch={batch}, vocab={vocab}, mean_len={mean_len}, lag_max={lag_max}, drift={drift}, "
-                     f"sampler_dtype={sampler_dtype}, seed={seed})"])
+    if truncate:
+        logp["sampler_logp"] += f", truncated (top_p {top_p}, top_k {top_k}) and renormalised"
+        if renormalise:
+            for k in ("old_logp", "current_logp"):
+                logp[k] = logp[k] and logp[k] + ", renormalised over the sampler's kept set"
+    trunc_args = (f", top_p={top_p}, top_k={top_k}, kept_sets={kept_sets}, renormalise={renormalise}"
+                  if truncate else "")
+    meta = make_meta("synthetic", logp, temperature=1.0, top_p=top_p, top_k=top_k,
+                     notes=[f"lab.diagnose.synthetic.simulate(steps={steps}, batch={batch}, vocab={vocab}, "
+                            f"mean_len={mean_len}, lag_max={lag_max}, drift={drift}, sampler_dtype={sampler_dtype}"
+                            f"{trunc_args}, seed={seed})"])
     rows = np.arange(B)
+    kept_mass = [0.0, 0]  # sum of the trainer's pi_old(S) over loss-masked tokens, their count
     with RolloutLogWriter(path, meta) as log:
         for step in range(steps):
             tv = step  # the trainer has made `step` updates
@@ -66,19 +114,33 @@ def simulate(path, *, steps: int = 12, batch: int = 64, group_size: int = 8, voc
             row_v = np.searchsorted(versions, gen)
             tokens = np.zeros((B, T), np.int64)
             lp_s = np.zeros((B, T), np.float32)
+            keep = np.ones((B, T, V), bool) if truncate else None
             prev = prompt.copy()
             for t in range(T):
                 lp = _log_softmax(stack[row_v, prev])
+                if truncate:
+                    keep[:, t] = kept_mask(lp, top_p, top_k)
+                    lp = _renormalised(lp, keep[:, t])
                 cdf = np.cumsum(np.exp(lp), -1)
                 tok = np.minimum((rng.random(B)[:, None] * cdf[:, -1:] > cdf).sum(-1), V - 1)
                 tokens[:, t], lp_s[:, t], prev = tok, lp[rows, tok], tok
             mask = (np.arange(T)[None, :] < lengths[:, None]).astype(np.float32)
             prevs = np.concatenate([prompt[:, None], tokens[:, :-1]], 1)
             lp_old_all = _log_softmax(table(tv)[prevs])
-            lp_old = np.take_along_axis(lp_old_all, tokens[..., None], -1)[..., 0]
             entropy = -(np.exp(lp_old_all) * lp_old_all).sum(-1)
-            lp_cur = (np.take_along_axis(_log_softmax(table(tv + 1)[prevs]), tokens[..., None], -1)[..., 0]
-                      if current else None)
+            lp_cur_all = _log_softmax(table(tv + 1)[prevs]) if current else None
+            if truncate:
+                mass = np.where(keep, np.exp(lp_old_all), 0.0).sum(-1)
+                kept_mass[0] += float((mass * mask).sum())
+                kept_mass[1] += int(mask.sum())
+                if renormalise:
+                    lp_old_all = _renormalised(lp_old_all, keep)
+                    lp_cur_all = None if lp_cur_all is None else _renormalised(lp_cur_all, keep)
+            lp_old = np.take_along_axis(lp_old_all, tokens[..., None], -1)[..., 0]
+            lp_cur = (None if lp_cur_all is None else
+                      np.take_along_axis(lp_cur_all, tokens[..., None], -1)[..., 0])
+            kept = ([[np.flatnonzero(keep[b, t]) for t in range(lengths[b])] for b in range(B)]
+                    if kept_sets else None)
             frac_low = ((tokens < V // 2) * mask).sum(1) / mask.sum(1)
             reward = (rng.random(B) < 1 / (1 + np.exp(-(4 * frac_low - 2)))).astype(np.float32)
             r = reward.reshape(-1, G)
@@ -87,9 +149,12 @@ def simulate(path, *, steps: int = 12, batch: int = 64, group_size: int = 8, voc
                     old_logp=(lp_old * mask).astype(np.float32),
                     current_logp=None if lp_cur is None else (lp_cur * mask).astype(np.float32), version=gen,
                     advantages=adv, rewards=reward, group_ids=np.arange(B // G).repeat(G) + step * (B // G),
-                    entropy=entropy * mask, trainer_version=tv)
+                    entropy=entropy * mask, trainer_version=tv, kept_token_ids=kept)
             for v in [k for k in tables if k < tv - lag_max]:
                 del tables[v]
+        if truncate:
+            log.note(f"mean trainer kept mass pi_old(S) over the loss-masked tokens: "
+                     f"{kept_mass[0] / max(kept_mass[1], 1):.6f}")
     return path
 
 

@@ -14,7 +14,7 @@ import pandas as pd
 import torch
 
 from lab import diagnostics as wd
-from lab.diagnose import dashboards, histogram as H
+from lab.diagnose import dashboards, histogram as H, truncation
 from lab.diagnose.corrections import sequence_weight
 from lab.diagnose.streaming import KHAT_WARN, LOW_P, MAX_LAG, P_EDGES, PAIR_TEXT, QS, Diagnostics
 from lab.diagnose.fits import median_interval, ols, ratio_intervals
@@ -99,11 +99,13 @@ def build(st, seed: int = 0) -> Diagnostics:
     tables["by_length"], tables["growth"], summary["growth"] = _length_tables(st, usable)
     tables["staleness"], summary["staleness"] = _staleness_table(st, usable)
     tables["corrections"], summary["corrections"] = _corrections_table(st, seq_corr, ci)
+    tables["truncation"], summary["truncation"] = _truncation(st, ci)
     tables["histograms"] = _histogram_table(st)
     tables["dashboards"] = dashboards.table(st)
     summary.update(_run_summary(st))
     summary["verdict"] = verdict(summary)
     summary["headline"] = summary["verdict"][0] if summary["verdict"] else ""
+    summary["truncation"] = summary.pop("truncation")  # last: added after the summary's first release
     tables["results"] = tidy(tables)
     return Diagnostics(meta=st.log.meta, summary=summary, tables=tables)
 
@@ -120,7 +122,15 @@ def _intervals(st, seq_corr: dict, seed: int) -> dict:
         acc = st.tok_corr.get(c.name) or seq_corr[c.name]
         req[f"removed/{c.name}"] = (acc["seq_removed"], acc["seq_w"])
         req[f"added/{c.name}"] = (acc["seq_added"], acc["seq_w"])
+    req.update(st.trunc.requests(st.n_valid))  # the mean ratio and the share below 1 (lab.diagnose.truncation)
     return ratio_intervals(req, seed=seed)
+
+
+def _truncation(st, ci: dict):
+    """(truncation table, truncation summary or None): the mean trainer/sampler token ratio and the share of tokens
+    with ratio below 1, on all tokens and on those with a recorded kept set (lab.diagnose.truncation)."""
+    rows = truncation.rows(st.trunc, st.n_valid, ci, st.log.meta["sampling"])
+    return pd.DataFrame(rows), truncation.summary(st.trunc, rows, st.log.meta["sampling"])
 
 
 # ------------------------------------------------------------------------------------------------ per step, overall
@@ -184,8 +194,8 @@ def _probability_table(st, ci: dict):
 
 
 def _probability_rows(q: dict, p: str) -> list[dict]:
-    """Per p bin b: n_tok, token share n_b / n, mean = sum_b / n_b, mean |delta|, rms = sqrt(sum2_b / n_b) and
-    the bin's share of the total |delta| mass."""
+    """Per p bin b: n_tok, token share n_b / n, mean = sum_b / n_b, mean |delta|, rms = sqrt(sum2_b / n_b), the
+    bin's share of the total |delta| mass, and the mean ratio e^delta (pairs over the sampler; NaN for the others)."""
     n_all, abs_all = q["n"].sum(), q["abs"].sum()
     rows = []
     for b in range(len(P_EDGES) - 1):
@@ -194,7 +204,8 @@ def _probability_rows(q: dict, p: str) -> list[dict]:
                      "token_share": n / n_all if n_all else np.nan,
                      "mean": q["sum"][b] / n if n else np.nan, "mean_abs": q["abs"][b] / n if n else np.nan,
                      "rms": np.sqrt(q["sum2"][b] / n) if n else np.nan,
-                     "abs_mass_share": q["abs"][b] / abs_all if abs_all else np.nan})
+                     "abs_mass_share": q["abs"][b] / abs_all if abs_all else np.nan,
+                     "mean_ratio": q["ratio"][b] / n if n and p in ("mismatch", "total") else np.nan})
     return rows
 
 
@@ -359,10 +370,11 @@ def _run_summary(st) -> dict:
 INTERVALS = {"mean_abs": ("mean_abs_lo", "mean_abs_hi"), "ess_median": ("ess_lo", "ess_hi"),
              "dominant_median": ("dominant_lo", "dominant_hi"), "removed": ("removed_lo", "removed_hi"),
              "added": ("added_lo", "added_hi"), "drift_per_token": ("drift_lo", "drift_hi"),
-             "var_per_token": ("var_lo", "var_hi"), "abs_mass_share": ("lo", "hi")}
+             "var_per_token": ("var_lo", "var_hi"), "abs_mass_share": ("lo", "hi"),
+             "mean_ratio": ("mean_ratio_lo", "mean_ratio_hi"), "below_one": ("below_one_lo", "below_one_hi")}
 SECTION_KEYS = {"per_step": ["pair", "run", "step"], "overall": ["pair"], "by_probability": ["pair", "p_lo", "p_hi"],
                 "by_length": ["pair", "len_lo", "len_hi"], "growth": ["pair"], "staleness": ["lag"],
-                "corrections": ["name", "pair"]}
+                "corrections": ["name", "pair"], "truncation": ["pair", "name"]}
 TIDY_COLUMNS = ["section", "pair", "run", "step", "name", "lag", "p_lo", "p_hi", "len_lo", "len_hi", "metric", "value",
                 "lo", "hi"]
 

@@ -4,13 +4,15 @@ Thresholds (stated so that a reader can disagree with them): k-hat > 0.7 marks a
 unreliable (Vehtari et al. 2024); the mismatch is "concentrated" on low-probability tokens when, per token, tokens with
 p < 0.1 carry at least 1.5 times the |log-ratio| of the other tokens, with the whole 95 % interval above 1.5
 ("not concentrated" when it lies below, "not resolved" otherwise); a log-ratio is "one-sided" when at
-least 90 % of tokens have the same sign.
+least 90 % of tokens have the same sign; sampler truncation is detected when the mean trainer/sampler token ratio's
+interval lies below 0.99 and at least 80 % of tokens have a ratio below 1 (lab.diagnose.truncation).
 """
 from __future__ import annotations
 
 import math
 
 from lab.diagnose.corrections import CORRECTIONS
+from lab.diagnose.truncation import ONE_SIDED, RATIO_MAX
 
 CONCENTRATED = 1.5  # |Δ| per token on p < 0.1 over |Δ| per token on the others
 PAIR_WORDS = {"mismatch": "trainer/sampler", "update": "current/old policy", "total": "current/sampler"}
@@ -31,6 +33,11 @@ def _pct(x, digits: int = 2) -> str:
 
 def _num(x) -> str:
     return f"{x:.3g}" if _ok(x) else "n/a"
+
+
+def _r(x) -> str:
+    """A ratio near 1, to three decimals."""
+    return f"{x:.3f}" if _ok(x) else "n/a"
 
 
 def _ci(lo, hi, fmt=_num) -> str:
@@ -141,21 +148,65 @@ def _corrections(corrections: dict, mis: str) -> str | None:
     return text + "."
 
 
+FIX = ("renormalise the trainer's log-probs over the sampler's kept set (mask replay: slime's keep-sampling-mask, or "
+       "an engine that returns its kept sets) or sample without truncation for training; no correction recovers the "
+       "tokens outside the kept set, which are never sampled")
+
+
+def _settings(t: dict) -> str:
+    s = ", ".join(f"{k} {t[k]}" for k in ("top_p", "top_k") if t.get(k) is not None)
+    return f"the log declares {s}" if t.get("declared") else "the log declares no truncation"
+
+
 def _sampling(summary: dict, om: dict) -> str | None:
-    """6. Truncated sampling, and a one-sided log-ratio (at least 90 % of tokens of one sign)."""
+    """6. Truncated sampling: detected from the mean trainer/sampler token ratio (lab.diagnose.truncation), the
+    kept sets when the log records them, what to do; else a one-sided log-ratio (90 % of tokens of one sign)."""
+    t = summary.get("truncation")
+    if t:
+        kept = _kept_sets(t)
+        if kept:
+            return kept
+        ratio = (f"mean trainer/sampler token ratio {_r(t['mean_ratio'])}"
+                 f"{_ci(t['mean_ratio_lo'], t['mean_ratio_hi'], _r)} where a sampler without truncation gives 1, "
+                 f"with {_pct(t['below_one'])} of tokens below 1")
+        if t["detected"]:
+            bound = (f"; a top-p {t['top_p']} kept set holds at least {t['top_p']}" if t.get("top_p") and t["top_p"] < 1
+                     else "")
+            check = ("" if t["declared"] else "; if the engine did not truncate, look for log-probs reported at "
+                     "another temperature than the one sampled")
+            return (f"Truncated sampling detected: {ratio} ({_settings(t)}): the engine reports log-probs of its "
+                    f"truncated, renormalised distribution, so each token's ratio is the mass the trainer gives the "
+                    f"kept set, about {_r(t['mean_ratio'])} on average{bound}; {FIX}{check}.")
+        if t["declared"]:
+            return (f"Sampling was truncated ({_settings(t)[len('the log declares '):]}) but the ratios do not show "
+                    f"it: {ratio} (detection needs the interval below {RATIO_MAX} and {_pct(ONE_SIDED)} below 1); "
+                    f"either the engine reports full-distribution log-probs, or the trainer's are renormalised over "
+                    f"the kept set, or truncation removes little mass.")
     neg = om.get("neg_share")
-    one_sided = _ok(neg) and (neg >= 0.9 or neg <= 0.1) and om["n_tok"] > 0
-    if summary.get("truncated_sampling"):
-        s = summary["sampling"]
-        what = ", ".join(f"{k} {v}" for k, v in s.items() if v is not None)
-        return (f"Sampling was truncated ({what}): if the engine reports log-probs of the renormalised "
-                f"distribution, every token's trainer/sampler log-ratio is shifted by the log of the kept mass"
-                + (f"; here {_pct(neg)} of tokens have a negative log-ratio, consistent with that shift"
-                   if one_sided else "") + ".")
-    if one_sided:
+    if _ok(neg) and (neg >= 0.9 or neg <= 0.1) and om["n_tok"] > 0:
         return (f"The trainer/sampler log-ratio is one-sided: {_pct(neg)} of tokens are negative. Check that "
                 f"both sides use the same temperature and no top-p/top-k truncation.")
     return None
+
+
+def _kept_sets(t: dict) -> str | None:
+    """With recorded kept sets: whether the trainer's log-probs are renormalised over them."""
+    k = t.get("kept_sets")
+    if not k:
+        return None
+    what = (f"The log records the sampler's kept sets on {_pct(k['share'])} of tokens (mean size {_num(k['mean_size'])}"
+            f"; {_settings(t)})")
+    ratio = (f"the mean trainer/sampler ratio on them is {_r(k['mean_ratio'])}"
+             f"{_ci(k['mean_ratio_lo'], k['mean_ratio_hi'], _r)} with {_pct(k['below_one'])} below 1")
+    single = (f"; on the {k['singletons']} tokens whose kept set is the sampled token alone the trainer's mean "
+              f"log-prob is {_num(k.get('singleton_mean_old_logp'))}, where a renormalised one is 0"
+              if k["singletons"] and _ok(k.get("singleton_mean_old_logp")) else "")
+    if k["detected"]:
+        return (f"{what}, but the trainer's log-probs are not renormalised over them: {ratio}{single}; "
+                f"renormalise the trainer's log-softmax over the recorded sets (mask replay) or sample without "
+                f"truncation; no correction recovers the tokens outside the kept sets, which are never sampled.")
+    return (f"{what}, and the trainer's log-probs match them ({ratio}{single}): mask replay is in place, but the "
+            f"tokens outside the kept sets are never sampled, so the policy trained is the truncated one.")
 
 
 def _dropped_nan(nan: dict) -> str | None:

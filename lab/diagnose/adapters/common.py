@@ -7,6 +7,7 @@ import math
 
 import numpy as np
 import orjson
+import pyarrow as pa
 
 from lab.diagnose.neutral import NeutralLogWriter
 from lab.errors import LabError
@@ -224,7 +225,13 @@ class SequenceBuffer:
             if all(p is None for p in parts):
                 cols[f] = None
             else:
-                cols[f] = np.concatenate([np.full(n, np.nan) if p is None else np.asarray(p) for p, n in zip(parts, lens)])
+                cols[f] = np.concatenate([np.full(n, np.nan) if p is None else np.asarray(p)
+                                          for p, n in zip(parts, lens)])
+        kept = [t[4].get("kept_token_ids") for t in self._tok]  # list arrays (neutral.kept_sets_from_offsets)
+        if any(k is not None for k in kept):
+            typ = pa.list_(pa.int64())
+            cols["kept_token_ids"] = pa.concat_arrays([pa.nulls(n, typ) if k is None else k.cast(typ)
+                                                       for k, n in zip(kept, lens)])
         self.writer.write_tokens(cols)
         seq = {"run": [s[0] for s in self._seq], "step": np.array([s[1] for s in self._seq]),
                "sample_id": np.array([s[2] for s in self._seq]), "response_length": lens}

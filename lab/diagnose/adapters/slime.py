@@ -26,6 +26,14 @@ Mapping: sampler_logp = rollout_log_probs, old_logp = log_probs, response tokens
 ``tokens``; group_id, reward and versions from the rollout dump's sample at ``rollout_position`` (else the one
 with the same ``index``); step = rollout_id; sample_id = rollout_position (else sample_index).
 
+Kept sets (top-p "sampling mask" replay, slime PR 2102, ``utils/types.py`` ``Sample``): with ``--rollout-top-p`` < 1
+slime records each response token's kept set as ``rollout_top_p_token_ids`` (int32, flat) and
+``rollout_top_p_token_offsets`` (int32, response_length + 1 entries from 0; token i's set is
+ids[offsets[i]:offsets[i + 1]], an empty span where no set was recorded, e.g. appended tool tokens), puts both in
+the train data (``ray/rollout.py``) and so in both dumps, and renormalises the trainer's ``log_probs`` over them
+(``backends/megatron_utils/loss.py``: the keep mask on the logits). They become ``kept_token_ids`` (empty spans:
+null), from the train sample, else from the rollout sample.
+
 Policy versions (``train.py``, ``train_async.py``, ``update_weight/*``): slime pushes the weights to SGLang once
 before its loop and again after each rollout's training (``--update-weights-interval 1``, the default), counting
 pushes from 0 in each process, so a fresh run's rollout k is generated with version k + 1 and a run resumed at
@@ -43,13 +51,14 @@ from pathlib import Path
 import numpy as np
 
 from lab.diagnose.adapters.common import SequenceBuffer, float_array, int_array, int_version, mask_array
-from lab.diagnose.neutral import NeutralLogWriter
+from lab.diagnose.neutral import NeutralLogWriter, kept_sets_from_offsets
 from lab.diagnose.safe_load import torch_load
 from lab.diagnose.schema import make_meta
 from lab.errors import LabError
 
 LOGP = {"sampler_logp": "slime rollout_log_probs: the rollout engine's (SGLang) log-probs of the sampled tokens",
-        "old_logp": "slime log_probs: the trainer's (Megatron) log-probs before the update", "current_logp": None}
+        "old_logp": "slime log_probs: the trainer's (Megatron) log-probs before the update (renormalised over the "
+                    "sampler's top-p kept set when slime replays it)", "current_logp": None}
 _NUM = re.compile(r"(\d+)(?:_(\d+))?\.pt$")
 
 
@@ -252,6 +261,25 @@ def _vec(sample: dict, key: str, where: str, n: int, required: bool = True):
     return arr
 
 
+def _kept_sets(sample: dict, where: str, n: int):
+    """The sample's kept sets (``rollout_top_p_token_ids`` / ``rollout_top_p_token_offsets``) as a list column, None
+    when it has none; LabError when only one is there or they do not fit together and the response."""
+    ids, offsets = sample.get("rollout_top_p_token_ids"), sample.get("rollout_top_p_token_offsets")
+    if ids is None and offsets is None:
+        return None
+    if ids is None or offsets is None:
+        raise LabError(f"{where}: has {'rollout_top_p_token_ids' if offsets is None else 'rollout_top_p_token_offsets'}"
+                       f" without {'rollout_top_p_token_offsets' if offsets is None else 'rollout_top_p_token_ids'}; "
+                       f"slime writes both")
+    ids = int_array(ids, where, "rollout_top_p_token_ids")
+    offsets = int_array(offsets, where, "rollout_top_p_token_offsets")
+    if offsets.shape != (n + 1,) or offsets[0] != 0 or (np.diff(offsets) < 0).any() or offsets[-1] != ids.size:
+        raise LabError(f"{where}: 'rollout_top_p_token_offsets' must be response_lengths + 1 = {n + 1} non-decreasing "
+                       f"offsets from 0 to the {ids.size} kept token ids, got {offsets.size} entries from "
+                       f"{offsets[0] if offsets.size else None} to {offsets[-1] if offsets.size else None}")
+    return kept_sets_from_offsets(ids, offsets)
+
+
 def _rollout(f: Path | None, trust: bool) -> list:
     if f is None:
         return []
@@ -320,6 +348,9 @@ def _add_sample(buf, rid: int, f: Path, i: int, s, rollout: list, by_index: dict
     if group is not None and (isinstance(group, bool) or not isinstance(group, int)):
         raise LabError(f"{where}: the rollout sample's 'group_index' is {group!r:.40}; expected an integer")
     adv = _vec(s, "advantages", where, n, required=False)
+    kept = _kept_sets(s, where, n)
+    if kept is None and rs.get("rollout_top_p_token_ids") is not None:
+        kept = _kept_sets(rs, f"{where} (its rollout sample)", n)
     seq_adv = float(adv[np.argmax(mask)]) if adv is not None and mask.any() else None
     sid = pos if pos is not None else (idx if idx is not None else i)
     if sid in seen:
@@ -329,7 +360,7 @@ def _add_sample(buf, rid: int, f: Path, i: int, s, rollout: list, by_index: dict
             {"token_id": toks[total - n:], "loss_mask": mask,
              "sampler_logp": _vec(s, "rollout_log_probs", where, n), "old_logp": _vec(s, "log_probs", where, n),
              "advantage": adv, "entropy": _vec(s, "entropy", where, n, required=False),
-             "version": np.full(n, versions[0] if len(set(versions)) == 1 else np.nan)},
+             "version": np.full(n, versions[0] if len(set(versions)) == 1 else np.nan), "kept_token_ids": kept},
             {"group_id": group, "reward": reward, "advantage": seq_adv,
              "version_min": min(versions) if versions else None,
              "version_max": max(versions) if versions else None, "trainer_version": tv, "origin": where})

@@ -147,6 +147,24 @@ def corrections_table(diag):
         "What each correction would do to this log, at the defaults its source runs.", text=("correction", "settings"))
 
 
+def truncation_table(diag):
+    """The mean trainer/sampler token ratio and the share of tokens below 1, on all tokens and on those with a recorded
+    kept set (lab.diagnose.truncation); None when the log has no sampler log-probs."""
+    tr = diag.tables.get("truncation")
+    if tr is None or tr.empty:
+        return None
+    return table(pd.DataFrame({
+        "log-ratio": tr.pair, "tokens": ["all" if n == "all" else "with a kept set" for n in tr.name],
+        "count": [f"{int(v):,}" for v in tr.n_tok],
+        "mean ratio [95 %]": [interval(*v, "{:.3f}")
+                              for v in tr[["mean_ratio", "mean_ratio_lo", "mean_ratio_hi"]].values],
+        "ratio < 1 [95 %]": [interval(*v, "{:.1%}") for v in tr[["below_one", "below_one_lo", "below_one_hi"]].values],
+        "truncation detected": ["yes" if v else "no" for v in tr.detected]}),
+        "Sampler truncation: the mean trainer/sampler token ratio is 1 for any sampler that reports the probabilities "
+        "it sampled from, and the kept mass for one that truncates and renormalises (detected: interval below 0.99 "
+        "and at least 80 % of tokens below 1).", text=("log-ratio", "tokens"))
+
+
 def dashboards_table(diag):
     """The frameworks' own mismatch metrics on this log (mean over steps, the first and the last step), each with its
     definition; None when the log has no sampler and trainer log-probs to compare."""

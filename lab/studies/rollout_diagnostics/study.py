@@ -231,6 +231,47 @@ class CorrectionEffect:
 
 
 @dataclass
+class KeptSets:
+    """The sampler's recorded kept sets: the share of tokens with one, their mean size, singleton sets and the mean
+    log-prob of each column on them (0 when renormalised), and the truncation statistic on those tokens (detected:
+    the trainer's log-probs are not renormalised over the sets)."""
+
+    share: float
+    mean_size: float
+    singletons: int
+    singleton_mean_sampler_logp: float  # NaN without singletons or without the column
+    singleton_mean_old_logp: float
+    singleton_mean_current_logp: float
+    n_tok: float
+    mean_ratio: float
+    mean_ratio_lo: float
+    mean_ratio_hi: float
+    below_one: float
+    detected: bool
+
+
+@dataclass
+class Truncation:
+    """Sampler truncation (lab.diagnose.truncation): the mean trainer/sampler token ratio [lo, hi] (1 without
+    truncation, the kept mass with it), the share of tokens with ratio below 1 [lo, hi], whether the rule fires,
+    what the log declares, and the kept sets when it records them."""
+
+    pair: str
+    detected: bool
+    n_tok: float
+    mean_ratio: float
+    mean_ratio_lo: float
+    mean_ratio_hi: float
+    below_one: float
+    below_one_lo: float
+    below_one_hi: float
+    declared: bool
+    top_p: float | None
+    top_k: int | None
+    kept_sets: KeptSets | None
+
+
+@dataclass
 class Sampling:
     temperature: float | None
     top_p: float | None
@@ -271,6 +312,7 @@ class Summary:
     notes: list[str]
     verdict: list[str]  # lab.diagnose.verdict's sentences, in order
     headline: str  # the verdict's first sentence
+    truncation: Truncation | None = None  # None: the log has no sampler log-probs (or predates the statistic)
 
 
 def diagnostics(cfg: Config, progress: bool | None = None) -> Diagnostics:

@@ -60,8 +60,8 @@ def test_the_answer_names_the_log_and_gives_the_verdict(smoke):
 
 def test_notebook_runs_as_the_driver_runs_it(smoke, tmp_path, monkeypatch):
     """The parameters cell holds only out_dir; the smoke values are injected after it as the driver does, and every
-    code cell runs here in process: the run folder has every table, the verdict matches, six figures and the tables
-    are shown."""
+    code cell runs here in process: the run folder has every table, the verdict matches, six figures and seven
+    tables are shown."""
     import matplotlib
     import pandas as pd
 
@@ -88,4 +88,4 @@ def test_notebook_runs_as_the_driver_runs_it(smoke, tmp_path, monkeypatch):
     assert summary["verdict"] == smoke[2]["verdict"] == ns["diag"].verdict
     assert json.loads((out / "config.json").read_text())["simulate_steps"] == 3
     assert len([x for x in shown if isinstance(x, matplotlib.figure.Figure)]) == 6
-    assert len([x for x in shown if isinstance(x, pd.io.formats.style.Styler)]) == 6
+    assert len([x for x in shown if isinstance(x, pd.io.formats.style.Styler)]) == 7
