@@ -78,8 +78,8 @@ def resolve(pairs_available, names=CORRECTIONS, pair: str = "natural", hyper: di
     if stray:
         from lab.errors import LabError
 
-        raise LabError(f"hyper-parameters given for {', '.join(stray)}, which the report does not evaluate; it evaluates "
-                       f"{', '.join(names)}")
+        raise LabError(f"hyper-parameters given for {', '.join(stray)}, which the report does not evaluate; it "
+                       f"evaluates {', '.join(names)}")
     if pair != "natural" and pair not in pairs_available:
         from lab.errors import LabError
         from lab.diagnose.streaming import PAIRS

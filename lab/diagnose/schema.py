@@ -151,10 +151,11 @@ def check_meta(meta, file: Path) -> dict:
         v = sampling[k]
         if v is not None and (not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v)
                               or v <= 0 or (k == "top_p" and v > 1)):
-            raise LabError(f"{file}: sampling.{k} must be null or a number in {'(0, 1]' if k == 'top_p' else '(0, inf)'}"
-                           f", got {v!r}")
-    if sampling["top_k"] is not None and (not isinstance(sampling["top_k"], int) or isinstance(sampling["top_k"], bool)):
-        raise LabError(f"{file}: sampling.top_k must be null or an integer (0 or -1: no top-k), got {sampling['top_k']!r}")
+            span = "(0, 1]" if k == "top_p" else "(0, inf)"
+            raise LabError(f"{file}: sampling.{k} must be null or a number in {span}, got {v!r}")
+    top_k = sampling["top_k"]
+    if top_k is not None and (not isinstance(top_k, int) or isinstance(top_k, bool)):
+        raise LabError(f"{file}: sampling.top_k must be null or an integer (0 or -1: no top-k), got {top_k!r}")
     width = meta.get("batch_width")
     if width is not None and (not isinstance(width, int) or isinstance(width, bool) or width < 1):
         raise LabError(f"{file}: batch_width must be null or a positive integer, got {width!r}")

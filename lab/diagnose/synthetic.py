@@ -179,7 +179,8 @@ def random_log(path, n_tokens: int, *, mean_len: int = 256, lengths: tuple[int, 
             pos = np.arange(n) - np.repeat(np.cumsum(lens) - lens, lens)
             p = rng.random(n) ** 4 + 1e-9
             s = np.log(p).astype(np.float32)
-            old = np.minimum(s + rng.standard_normal(n).astype(np.float32) * (0.002 + 0.05 * (1 - p)).astype(np.float32), 0)
+            spread = (0.002 + 0.05 * (1 - p)).astype(np.float32)
+            old = np.minimum(s + rng.standard_normal(n).astype(np.float32) * spread, 0)
             cur = np.minimum(old + 0.01 * rng.standard_normal(n).astype(np.float32), 0)
             lag = np.minimum(rng.integers(0, lag_max + 1, size=batch), step - 1)
             adv = rng.standard_normal(batch)
@@ -188,7 +189,8 @@ def random_log(path, n_tokens: int, *, mean_len: int = 256, lengths: tuple[int, 
                             "sampler_logp": s, "old_logp": old, "current_logp": cur,
                             "version": np.repeat(step - 1 - lag, lens), "advantage": np.repeat(adv, lens),
                             "entropy": rng.gamma(2.0, 0.5, size=n)})
-            w.write_sequences({"run": "", "step": step, "sample_id": np.arange(batch), "group_id": np.arange(batch) // 8,
+            w.write_sequences({"run": "", "step": step, "sample_id": np.arange(batch),
+                               "group_id": np.arange(batch) // 8,
                                "reward": (adv > 0).astype(float), "advantage": adv, "response_length": lens,
                                "version_min": step - 1 - lag, "version_max": step - 1 - lag,
                                "trainer_version": np.full(batch, step - 1)})

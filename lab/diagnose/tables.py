@@ -226,7 +226,10 @@ def _length_tables(st, usable: np.ndarray):
     """(by_length table, growth table, growth summary): the sequence log-weight L in power-of-two length bins, and
     its growth with length."""
     n_len = st.n_valid[usable]
-    edges = 2.0 ** np.arange(0, max(int(np.ceil(np.log2(n_len.max() + 1))) + 1, 1) + 1) if n_len.size else np.array([1., 2.])
+    if n_len.size:
+        edges = 2.0 ** np.arange(0, max(int(np.ceil(np.log2(n_len.max() + 1))) + 1, 1) + 1)
+    else:
+        edges = np.array([1., 2.])
     rows, growth = [], {}
     for p in st.pairs:
         L = st.L[p][usable]

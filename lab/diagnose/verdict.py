@@ -65,8 +65,8 @@ def _sequence_is(o: dict, main: str) -> str:
     """1. Would sequence-level IS work: dominant share and Kish ESS (medians over steps), k-hat > 0.7 steps."""
     n_steps = o["n_steps"]
     text = (f"Sequence-level IS on {PAIR_WORDS[main]} ratios would be dominated by {_pct(o['dominant_median'])}"
-            f"{_ci(o['dominant_lo'], o['dominant_hi'], _pct)} of sequences: that share of a step's sequences holds half "
-            f"of its total weight (median over {n_steps} step{'s' if n_steps != 1 else ''}); Kish ESS "
+            f"{_ci(o['dominant_lo'], o['dominant_hi'], _pct)} of sequences: that share of a step's sequences holds "
+            f"half of its total weight (median over {n_steps} step{'s' if n_steps != 1 else ''}); Kish ESS "
             f"{_pct(o['ess_median'])} of the batch")
     if o["khat_steps"]:
         text += f"; Pareto k-hat > 0.7 in {o['khat_warning_steps']} of {o['khat_steps']} steps"
