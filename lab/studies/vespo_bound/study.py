@@ -1,22 +1,9 @@
-"""VESPO's variance bound (Proposition 3.1) checked exactly, and VESPO against sequence IS as rollouts go stale.
+"""The vespo_bound study: VESPO's variance bound (Proposition 3.1, ``bound.py``) checked exactly, and VESPO against
+sequence IS as rollouts go stale.
 
-Proposition 3.1 (Shen et al., arXiv 2602.10693; code github.com/FloyedShen/VESPO). For a reshaping kernel phi with
-K = sup_w phi(w)/w < inf and the implicit proposal Q = mu phi(W) / Z, Z = E_mu[phi(W)]:
-
-    E_mu[phi(W)^2] <= Z K C,   C = E_Q[W] = E_mu[phi(W) W] / Z,   so  Z K C = K E_mu[phi(W) W].
-
-Proof in one line: phi(w) <= K w pointwise; multiply by phi(w) >= 0 and take E_mu. It holds for ANY mu and pi, so a
-violation can only come from an implementation that does not evaluate phi and W consistently. The ratio
-E_mu[phi^2] / (Z K C) in (0, 1] measures tightness: 1 when mu puts all its mass where phi(w)/w peaks,
-w = (k-1)/lambda; on-policy (W = 1) it is 1/K.
-
-The check is exact: every (prompt, response) pair is enumerated with its probability mu(y)/P in float64, and W uses
-the estimator's own numerics (``lab.estimators.vespo.sequence_log_weight``: token log-ratios clamped to [-20, 20],
-summed, L clamped to [-20, 20]; ``sequence_coefficient``: the authors' log-space phi). Staleness comes from
-``lab.engine.staleness``: lag (snapshots of the Adam trajectory the variance study uses, same seeds), per-token KL
-targets and sampler temperature. The estimator's phi can leave the bound only through the authors' floor
-log W >= log 1e-8 with k = 1 (phi(w)/w > e^lambda for L < -18.42): ``floor_mass`` = mu(L < -18.42) is reported with
-every setting. Kernels with k < 1 have no K (phi(w)/w -> inf as w -> 0): K = inf and no ratio.
+The bound check is exact: every (prompt, response) pair is enumerated with its probability mu(y)/P in float64.
+Staleness comes from ``lab.engine.staleness``: lag (snapshots of the Adam trajectory the variance study uses, same
+seeds), per-token KL targets and sampler temperature.
 
 The second half runs the variance study (``lab.studies.variance``) on VESPO, sequence IS, PPO clip and REINFORCE at
 each lag, once more with advantage "reward" for each estimator's exact expected-gradient bias, and splits that
@@ -27,73 +14,70 @@ from __future__ import annotations
 
 import math
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass
+from typing import Literal
 
-import numpy as np
 import pandas as pd
-import torch
 
 import toy_envs
+from lab.advantages import ADVANTAGES
+from lab.configs import SEED_MAX, check_types
 from lab.engine.estimator import Estimator
 from lab.engine.exact import Problem, divergence, policy_gradient
 from lab.engine.gradients import expected_gradient, separable
 from lab.engine.staleness import behaviour, check_value, optimisation_trajectory
 from lab.errors import LabError
 from lab.estimators import vespo
-from lab.policies import init_params, make_policy, token_log_probs
+from lab.estimators.aggregation import AGG_MODES
+from lab.policies import init_params, make_policy
 from lab.seeding import generator
 from lab.studies import StudyResult
-from lab.studies import variance
+from lab.studies.variance import study as variance
+from lab.studies.vespo_bound.bound import bound_summary, bound_terms, kernel_label, sequence_log_weights, tidy_bound
+from lab.typed import build, knob
 
 DEFAULT_KERNELS = ([2.0, 3.0], [3.0, 2.0], [1.0, 1.0], [1.0, 3.0], [1.5, 1.0], [2.0, 1.0], [4.0, 2.0], [0.5, 1.0])
-TOLERANCE = 1e-9  # float64 rounding: a ratio above 1 + TOLERANCE counts as a violation
 ESTIMATORS = ("vespo", "seq_is", "ppo_clip", "reinforce")
-BOUND_METRICS = ("Z", "C", "K", "phi2", "bound", "ratio", "w2", "floor_mass", "kl_token", "chi2_seq")
-BOUND_KEYS = ("env", "policy", "seed", "staleness_kind", "staleness", "k", "lam", "kernel")
 KNOBS = (("lag", "lags"), ("kl", "kl_targets"), ("temperature", "temperatures"))  # staleness kind, Config field
-
-
-def kernel_label(k: float, lam: float) -> str:
-    return f"k={k:g}, λ={lam:g}"
 
 
 @dataclass
 class Config:
-    """The vespo_bound report: the exact bound check and the variance comparison. ``Config()`` is the full report."""
+    """The vespo_bound study: the exact bound check and the variance comparison. ``Config()`` is the full report."""
 
     env: str = "tiny_target"
     """toy env preset (must be enumerable)"""
-    env_overrides: dict = field(default_factory=dict, metadata={"flag": "--set", "parse": "pairs"})
+    env_overrides: dict = knob({}, flag="--set", parse="pairs")
     """env fields to change, e.g. length=3"""
-    policy: str = "prefix"
+    policy: Literal["prefix", "markov"] = "prefix"
     """prefix (any sequence distribution) | markov"""
-    lags: list = field(default_factory=lambda: [0, 1, 2, 4, 8, 16, 32, 64], metadata={"parse": "list"})
+    lags: list[int] = knob([0, 1, 2, 4, 8, 16, 32, 64], ge=0, le=1_000_000)
     """optimiser steps between mu and pi (bound check and variance study)"""
-    kl_targets: list = field(default_factory=lambda: [0.01, 0.03, 0.1, 0.3, 1.0], metadata={"parse": "list"})
+    kl_targets: list[float] = knob([0.01, 0.03, 0.1, 0.3, 1.0], ge=0, le=100)
     """per-token KL(mu||pi) targets (bound check)"""
-    temperatures: list = field(default_factory=lambda: [0.5, 0.7, 1.5, 2.0], metadata={"parse": "list"})
+    temperatures: list[float] = knob([0.5, 0.7, 1.5, 2.0], ge=0.01, le=100)
     """sampler temperatures (bound check)"""
-    kernels: list = field(default_factory=lambda: [list(k) for k in DEFAULT_KERNELS])
+    kernels: list[list[float]] = knob([list(k) for k in DEFAULT_KERNELS], ge=0, le=1000)
     """[k, lambda] pairs of the kernel phi(W) = W^k e^(lambda (1 - W)) (bound check)"""
-    bound_seeds: list = field(default_factory=lambda: [0, 1, 2], metadata={"parse": "list"})
+    bound_seeds: list[int] = knob([0, 1, 2], ge=0, le=SEED_MAX)
     """one random initial policy and Adam trajectory each (bound check)"""
-    trajectory_steps: int = 64
+    trajectory_steps: int = knob(64, ge=0, le=1_000_000)
     """length of pi's Adam trajectory; lags must not exceed it"""
-    init_scale: float = 1.0
+    init_scale: float = knob(1.0, ge=0, le=100)
     """initial logits ~ N(0, init_scale^2)"""
-    lr: float = 0.05
+    lr: float = knob(0.05, gt=0, le=1e3)
     """Adam learning rate of the trajectory"""
-    replicates: int = 500
+    replicates: int = knob(500, ge=2, le=1_000_000)
     """replicate batches per lag (variance study)"""
-    batch_size: int = 64
+    batch_size: int = knob(64, ge=1, le=1_000_000)
     """B responses per batch"""
-    group_size: int = 8
+    group_size: int = knob(8, ge=1, le=4096)
     """G responses per prompt"""
-    advantage: str = "rloo"
-    """reward | rloo | grpo | drgrpo (variance study; the exact-bias study always uses reward)"""
-    loss_agg_mode: str = field(default="token-mean", metadata={"flag": "--agg"})
+    advantage: Literal[ADVANTAGES] = "rloo"
+    """advantages of the variance study (the exact-bias study always uses reward)"""
+    loss_agg_mode: Literal[AGG_MODES] = knob("token-mean", flag="--agg")
     """loss aggregation mode: VESPO's (and verl's) default token-mean"""
-    seed: int = 0
+    seed: int = knob(0, ge=0, le=SEED_MAX)
     """seed of the variance study and of the exact directions"""
 
     def make_env(self):
@@ -119,6 +103,7 @@ class Config:
                 variance.Config(advantage="reward", replicates=2, n_boot=10, **common))
 
     def validate(self) -> None:
+        check_types(self)
         self._validate_bound()
         for cfg in self.variance_configs():
             cfg.validate()
@@ -147,39 +132,88 @@ class Config:
             raise LabError("give at least one bound seed")
 
 
-# ---- exact second moments ---------------------------------------------------------------------------------
-
-def sequence_log_weights(pi: tuple, mu: tuple, support_mu) -> torch.Tensor:
-    """L(y) = log pi(y)/mu(y) for every pair of mu's support, with the estimator's clamps (float64, [N]).
-
-    ``pi`` and ``mu`` are (policy, theta) pairs, as everywhere in the engine."""
-    s = support_mu
-    with torch.no_grad():
-        lp_pi = token_log_probs(pi[0], pi[1].double(), s.prompts, s.tokens) * s.mask
-        lp_mu = token_log_probs(mu[0], mu[1].double(), s.prompts, s.tokens) * s.mask
-        L, _ = vespo.sequence_log_weight(lp_pi, lp_mu, s.mask)
-    return L[:, 0]
+SMOKE = {"lags": [0, 4], "kl_targets": [0.1], "temperatures": [2.0], "bound_seeds": [0], "replicates": 40,
+         "trajectory_steps": 4, "kernels": [[2, 3], [3, 2], [1, 1], [0.5, 1]]}  # seconds: what the tests build
 
 
-def bound_terms(L: torch.Tensor, weights: torch.Tensor, k: float, lam: float) -> dict:
-    """Proposition 3.1's terms for sequence log-weights ``L`` with probabilities ``weights`` under mu (exact).
+@dataclass
+class Tightest:
+    """The setting with the largest ratio E_mu[phi^2] / (Z K C)."""
 
-    Z = E_mu[phi], C = E_Q[W], K, phi2 = E_mu[phi^2], bound = Z K C, ratio = phi2 / bound (NaN where K = inf),
-    w2 = E_mu[W^2] (sequence IS's second moment, for scale) and floor_mass = mu(L < log 1e-8), the mass where the
-    authors' floor inside log W is active.
-    """
-    vespo.check_kernel(k, lam)
-    L, w = L.double(), weights.double()
-    W = torch.exp(L)
-    ph = vespo.sequence_coefficient(L, k, lam)
-    Z = float((w * ph).sum())
-    phiW = float((w * ph * W).sum())
-    phi2 = float((w * ph**2).sum())
-    K = vespo.bound_constant(k, lam)
-    bound = K * phiW if math.isfinite(K) else math.inf
-    return {"Z": Z, "C": phiW / Z if Z > 0 else math.nan, "K": K, "phi2": phi2, "bound": bound,
-            "ratio": phi2 / bound if math.isfinite(bound) and bound > 0 else math.nan,
-            "w2": float((w * W**2).sum()), "floor_mass": float(w[L < vespo.LOG_W_FLOOR].sum())}
+    kernel: str
+    staleness_kind: str
+    staleness: float
+    seed: int
+    ratio: float
+
+
+@dataclass
+class KernelBound:
+    """One kernel of the bound check. K is inf for k < 1 (no bound), and every number below None there; summary.json
+    stores inf and NaN as null."""
+
+    k: float
+    lam: float
+    K: float | None
+    peak_w: float | None  # where phi(w)/w peaks, (k - 1)/lambda (0 for k <= 1, approached)
+    on_policy_ratio: float | None  # 1/K: the ratio when W = 1 everywhere
+    max_ratio: float | None
+    median_ratio: float | None
+    min_ratio: float | None
+
+
+@dataclass
+class Lag:
+    """VESPO against sequence IS at one lag: [value, lo, hi] of MSE and variance ÷ ‖∇J‖², the verdict (the lower MSE
+    where the 95% intervals do not overlap: "VESPO lower", "seq IS lower", "equal" or "unresolved"), and per
+    estimator its exact expected gradient (advantage = R) against ∇J: bias ‖E g − ∇J‖ ÷ ‖∇J‖, cosine and size
+    ‖E g‖ ÷ ‖∇J‖ (a cosine is NaN, null in summary.json, where E g = 0)."""
+
+    kl_token: float
+    ess_frac: float
+    verdict: str
+    vespo_rel_mse: list[float]
+    vespo_variance: list[float]
+    seq_is_rel_mse: list[float]
+    seq_is_variance: list[float]
+    vespo_exact_bias: float | None = None
+    vespo_exact_cos: float | None = None
+    vespo_exact_size: float | None = None
+    seq_is_exact_bias: float | None = None
+    seq_is_exact_cos: float | None = None
+    seq_is_exact_size: float | None = None
+    ppo_clip_exact_bias: float | None = None
+    ppo_clip_exact_cos: float | None = None
+    ppo_clip_exact_size: float | None = None
+    reinforce_exact_bias: float | None = None
+    reinforce_exact_cos: float | None = None
+    reinforce_exact_size: float | None = None
+
+
+@dataclass
+class Summary:
+    """What the vespo_bound study found (summary.json): the bound check over every setting and kernel, and the
+    comparison per lag (``per_lag`` keyed by the lag, "%g")."""
+
+    study: str
+    env: str
+    policy: str
+    max_bound_ratio: float
+    max_bound_ratio_off_policy: float | None  # over settings with KL(mu||pi) > 0
+    violations: int  # settings with a ratio above 1 + TOLERANCE
+    settings_checked: int  # settings with a finite K
+    settings_without_bound: int  # settings of kernels with k < 1
+    tightest: Tightest
+    per_kernel: dict[str, KernelBound]
+    max_floor_mass: float  # the largest mu-mass where the authors' floor inside log W is active
+    staleness_kinds: list[str]
+    bound_seeds: int
+    vespo_lower_mse_at_lags: list[float]
+    seq_is_lower_mse_at_lags: list[float]
+    max_lag: float
+    mse_ratio_vespo_over_seq_is_at_max_lag: float
+    per_lag: dict[str, Lag]
+    config: dict  # the variance study's sampling settings and seed
 
 
 def trajectory(cfg: Config, seed: int):
@@ -189,6 +223,8 @@ def trajectory(cfg: Config, seed: int):
     theta0 = init_params(problem.policy, cfg.init_scale, gen)
     return problem, optimisation_trajectory(problem, theta0, cfg.trajectory_steps, cfg.lr, gen)
 
+
+# ---- Proposition 3.1 along the staleness knobs ------------------------------------------------------------------
 
 def _seed_rows(cfg: Config, seed: int) -> list[dict]:
     problem, traj = trajectory(cfg, seed)
@@ -212,58 +248,6 @@ def bound_table(cfg: Config) -> pd.DataFrame:
     """Wide table: one row per (bound seed, staleness setting, kernel) with the exact terms of ``bound_terms``."""
     cfg._validate_bound()
     return pd.DataFrame([row for seed in cfg.bound_seeds for row in _seed_rows(cfg, seed)])
-
-
-def _kernel_facts(k: float, lam: float, K: float) -> dict:
-    """K, where phi(w)/w peaks ((k-1)/lambda; 0 for k <= 1, approached) and the on-policy ratio 1/K (W = 1 everywhere:
-    phi^2 / (K phi W) = 1/K); None for both where K = inf."""
-    finite = math.isfinite(K)
-    return {"k": k, "lam": lam, "K": K, "peak_w": vespo.argmax_bound(k, lam) if finite else None,
-            "on_policy_ratio": 1.0 / K if finite else None}
-
-
-def bound_summary(bound: pd.DataFrame) -> dict:
-    """Largest ratio over every setting with a finite K, the violation count, the tightest setting, per kernel its
-    K, where phi(w)/w peaks, its on-policy ratio 1/K and its largest / median / smallest measured ratio."""
-    finite = bound[np.isfinite(bound["ratio"])]
-    worst = finite.loc[finite["ratio"].idxmax()]
-    per_kernel = {}
-    for label, g in bound.groupby("kernel", sort=False):
-        ok = g[np.isfinite(g["ratio"])]
-        per_kernel[label] = {**_kernel_facts(float(g["k"].iloc[0]), float(g["lam"].iloc[0]), float(g["K"].iloc[0])),
-                             "max_ratio": float(ok["ratio"].max()) if len(ok) else None,
-                             "median_ratio": float(ok["ratio"].median()) if len(ok) else None,
-                             "min_ratio": float(ok["ratio"].min()) if len(ok) else None}
-    off = finite[finite["kl_token"] > 0]
-    return {
-        "max_bound_ratio": float(finite["ratio"].max()),
-        "max_bound_ratio_off_policy": float(off["ratio"].max()) if len(off) else None,
-        "violations": int((finite["ratio"] > 1 + TOLERANCE).sum()),
-        "settings_checked": int(len(finite)),
-        "settings_without_bound": int((~np.isfinite(bound["K"])).sum()),
-        "tightest": {"kernel": worst["kernel"], "staleness_kind": worst["staleness_kind"],
-                     "staleness": float(worst["staleness"]), "seed": int(worst["seed"]),
-                     "ratio": float(worst["ratio"])},
-        "per_kernel": per_kernel,
-        "max_floor_mass": float(bound["floor_mass"].max()),
-        "staleness_kinds": sorted(bound["staleness_kind"].unique()),
-        "bound_seeds": int(bound["seed"].nunique()),
-    }
-
-
-def tidy_bound(bound: pd.DataFrame) -> pd.DataFrame:
-    """The wide bound table as tidy rows (one per setting x kernel x metric), keyed like the variance results."""
-    long = bound.melt(id_vars=list(BOUND_KEYS), value_vars=list(BOUND_METRICS), var_name="metric", value_name="value")
-    return long.assign(part="bound", estimator="vespo", lo=long["value"], hi=long["value"])
-
-
-def bound_rows(results: pd.DataFrame) -> pd.DataFrame:
-    """The wide bound table back from ``run``'s tidy results (rows in the order the study computed them)."""
-    tidy = results[results["part"] == "bound"]
-    keys = list(BOUND_KEYS)
-    wide = tidy.set_index([*keys, "metric"])["value"].unstack("metric").reset_index()
-    out = tidy.drop_duplicates(keys)[keys].merge(wide, on=keys, how="left")
-    return out[[*keys, *[m for m in BOUND_METRICS if m in out]]]
 
 
 def part(results: pd.DataFrame, name: str) -> pd.DataFrame:
@@ -378,15 +362,16 @@ def _variance_results(cfg: Config, progress: bool | None) -> tuple[pd.DataFrame,
 def run(cfg: Config, progress: bool | None = None) -> StudyResult:
     """The exact bound check over (bound_seeds x lags, KL targets, temperatures x kernels), the variance studies at
     ``lags`` (seed ``cfg.seed``) and the exact expected-gradient directions: one tidy table (column ``part``) and the
-    summary (bound numbers, per-lag comparison, and what the report's text needs)."""
+    summary (bound numbers and the per-lag comparison)."""
     cfg.validate()
     bound = bound_table(cfg)
     main, exact = _variance_results(cfg, progress)
     env_name = cfg.make_env().name
     results = pd.concat([tidy_bound(bound), main.assign(part="variance"), exact.assign(part="exact_bias"),
                          _tidy_directions(exact_directions(cfg), env_name, cfg.seed)], ignore_index=True)
-    summary = {"study": "vespo_bound", "env": env_name, "policy": cfg.policy, **bound_summary(bound),
-               **variance_summary(comparison(results)),
-               "config": {k: getattr(cfg, k) for k in ("replicates", "batch_size", "group_size", "advantage",
-                                                       "loss_agg_mode", "seed")}}
-    return StudyResult(results, summary)
+    summary = build(Summary, {
+        "study": "vespo_bound", "env": env_name, "policy": cfg.policy, **bound_summary(bound),
+        **variance_summary(comparison(results)),
+        "config": {k: getattr(cfg, k) for k in ("replicates", "batch_size", "group_size", "advantage", "loss_agg_mode",
+                                                "seed")}})
+    return StudyResult(results, asdict(summary))

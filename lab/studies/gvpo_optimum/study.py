@@ -1,4 +1,5 @@
-"""GVPO's Theorems 1 and 2 made measurable: train to the KL-constrained optimum and watch the distance shrink.
+"""The gvpo_optimum study: GVPO's Theorems 1 and 2 made measurable; train to the KL-constrained optimum and watch the
+distance shrink.
 
 GVPO (Zhang et al., arXiv 2504.19599, NeurIPS 2025; the authors' verl recipe ``compute_policy_loss_gvpo``).
 Setting: a tabular prefix-tree policy (it can represent any sequence distribution, so the optimum is reachable) on an
@@ -39,8 +40,8 @@ to one run's scale, so the runs do not share a normaliser).
 """
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass
+from typing import Literal
 
 import numpy as np
 import pandas as pd
@@ -49,14 +50,15 @@ import torch
 import toy_envs
 from lab import estimators, stats
 from lab.advantages import leave_one_out
-from lab.configs import to_dict
+from lab.configs import SEED_MAX, check_types, to_dict
 from lab.engine.estimator import Estimator
 from lab.errors import LabError
-from lab.estimators.aggregation import check_mode
+from lab.estimators.aggregation import AGG_MODES
 from lab.policies import init_params, make_policy, sequence_log_probs, token_log_probs
 from lab.progress import bar
 from lab.seeding import generator
 from lab.studies import StudyResult
+from lab.typed import build, knob
 
 SCHEDULES = ("constant", "cosine")
 SAMPLERS = ("on_policy", "reference", "tempered", "uniform")
@@ -68,38 +70,37 @@ class Config:
 
     env: str = "small_dense"
     """toy env preset with deterministic rewards (target, parity or dense)"""
-    env_overrides: dict = field(default_factory=lambda: {"n_prompts": 2, "vocab_size": 4, "length": 4},
-                                metadata={"flag": "--set", "parse": "pairs"})
+    env_overrides: dict = knob({"n_prompts": 2, "vocab_size": 4, "length": 4}, flag="--set", parse="pairs")
     """env fields to change"""
-    methods: list = field(default_factory=lambda: ["gvpo", "seq_is", "ppo_clip"], metadata={"parse": "list"})
+    methods: list[str] = knob(["gvpo", "seq_is", "ppo_clip"])
     """gvpo and sampled-token estimators (seq_is, ppo_clip, reinforce, ...)"""
-    samplers: list = field(default_factory=lambda: ["on_policy", "reference", "uniform"], metadata={"parse": "list"})
+    samplers: list[Literal[SAMPLERS]] = knob(["on_policy", "reference", "uniform"])
     """where the groups come from: on_policy | reference | tempered | uniform"""
-    beta: float = 0.1
+    beta: float = knob(0.1, gt=0, le=1e3)
     """KL coefficient of the objective, and GVPO's beta"""
-    group_size: int = 4
+    group_size: int = knob(4, ge=2, le=4096)
     """k responses per prompt"""
-    groups_per_step: int = 32
+    groups_per_step: int = knob(32, ge=1, le=100_000)
     """prompts (groups) per Adam step and run"""
-    steps: int = 800
+    steps: int = knob(800, ge=1, le=1_000_000)
     """Adam steps"""
-    lr: float = 0.1
+    lr: float = knob(0.1, gt=0, le=1e3)
     """Adam learning rate, the same for every method"""
-    schedule: str = "constant"
+    schedule: Literal[SCHEDULES] = "constant"
     """constant | cosine (decays the learning rate to 0 at the last step)"""
-    ref_scale: float = 1.0
+    ref_scale: float = knob(1.0, ge=0, le=100)
     """pi_ref logits ~ N(0, ref_scale^2), drawn per seed"""
-    temperature: float = 3.0
+    temperature: float = knob(3.0, gt=0, le=100)
     """the tempered sampler: softmax(logits_ref / temperature)"""
-    loss_agg_mode: str = field(default="seq-mean-token-sum", metadata={"flag": "--agg"})
+    loss_agg_mode: Literal[AGG_MODES] = knob("seq-mean-token-sum", flag="--agg")
     """aggregation of the sampled-token methods (GVPO's loss is sequence-level)"""
-    seeds: list = field(default_factory=lambda: [0, 1, 2, 3, 4], metadata={"parse": "list"})
+    seeds: list[int] = knob([0, 1, 2, 3, 4], ge=0, le=SEED_MAX)
     """each seed: its own pi_ref and samples"""
-    n_boot: int = 1000
+    n_boot: int = knob(1000, ge=10, le=1_000_000)
     """bootstrap resamples over seeds"""
-    ci: float = 0.95
+    ci: float = knob(0.95, gt=0, lt=1)
     """interval coverage"""
-    enum_limit: int = 2**16
+    enum_limit: int = knob(2**16, ge=1, le=2**31)
     """largest number of (prompt, response) pairs to enumerate"""
 
     def make_env(self):
@@ -111,44 +112,58 @@ class Config:
                 for m in self.methods]
 
     def validate(self) -> None:
+        check_types(self)
         env = self.make_env()
         if env.reward == "bernoulli":
             raise LabError("the optimum study needs deterministic rewards (target, parity or dense), not bernoulli")
         env.check_enumerable(self.enum_limit)
         make_policy("prefix", env)
         self._validate_methods()
-        if not (math.isfinite(self.beta) and self.beta > 0):
-            raise LabError(f"beta must be a positive number, got {self.beta}")
-        estimators.gvpo.check_groups(self.group_size * max(self.groups_per_step, 1), self.group_size)
-        if self.groups_per_step < 1 or self.steps < 1:
-            raise LabError("groups_per_step and steps must be at least 1")
-        if not (math.isfinite(self.lr) and self.lr > 0):
-            raise LabError(f"the learning rate must be a positive number, got {self.lr}")
-        if not (math.isfinite(self.temperature) and self.temperature > 0):
-            raise LabError(f"the sampler temperature must be a positive number, got {self.temperature}")
-        if not (math.isfinite(self.ref_scale) and self.ref_scale >= 0):
-            raise LabError(f"ref_scale must be a finite non-negative number, got {self.ref_scale}")
-        check_mode(self.loss_agg_mode)
-        if self.schedule not in SCHEDULES:
-            raise LabError(f"unknown learning-rate schedule {self.schedule!r}; choose one of {', '.join(SCHEDULES)}")
+        estimators.gvpo.check_groups(self.group_size * self.groups_per_step, self.group_size)
         if not self.seeds:
             raise LabError("give at least one seed")
-        if not 0 < self.ci < 1 or self.n_boot < 10:
-            raise LabError("ci must lie in (0, 1) and n_boot be at least 10")
 
     def _validate_methods(self) -> None:
         if not self.methods:
             raise LabError("give at least one method")
+        if not self.samplers:
+            raise LabError(f"give at least one sampler: {', '.join(SAMPLERS)}")
         if len(set(self.methods)) != len(self.methods) or len(set(self.samplers)) != len(self.samplers):
             raise LabError("methods and samplers must not repeat")
         for est in self.resolved():
             if est.name != "gvpo" and est.info.inputs:
                 raise LabError(f"method {est.name!r} needs extra inputs ({', '.join(est.info.inputs)}); the optimum "
                                f"study trains gvpo and sampled-token estimators such as seq_is, ppo_clip, reinforce")
-        unknown = [s for s in self.samplers if s not in SAMPLERS]
-        if unknown or not self.samplers:
-            raise LabError(f"unknown sampler(s) {', '.join(unknown) or '(none given)'}; "
-                           f"choose from {', '.join(SAMPLERS)}")
+
+
+SMOKE = {"steps": 60, "seeds": [0, 1], "groups_per_step": 8}  # seconds: what the tests build
+
+
+@dataclass
+class FinalTV:
+    """TV(pi, pi*) after the last step over seeds: mean, percentile-bootstrap interval, and each seed's."""
+
+    mean: float
+    lo: float
+    hi: float
+    per_seed: list[float]
+
+
+@dataclass
+class Summary:
+    """What the optimum study found (summary.json): ``final_tv[method][sampler]``, the TV at the start (pi_ref to
+    pi*, the same for every run of a seed; mean over runs), and the config the text quotes."""
+
+    study: str
+    env: str
+    beta: float
+    steps: int
+    group_size: int
+    seeds: list[int]
+    tv_at_start: float
+    final_tv: dict[str, dict[str, FinalTV]]
+    policy: str
+    config: dict
 
 
 # ---- exact quantities ---------------------------------------------------------------------------------------
@@ -183,7 +198,8 @@ def enumerated_log_probs(env, theta) -> torch.Tensor:
 
 
 def prefix_tree_params(env, log_p: torch.Tensor) -> torch.Tensor:
-    """Prefix-tree logits representing the sequence distribution exp(log_p) exactly (``PrefixTreePolicy.params_for``)."""
+    """Prefix-tree logits representing the sequence distribution exp(log_p) exactly
+    (``PrefixTreePolicy.params_for``)."""
     return make_policy("prefix", env).params_for(env, log_p)
 
 
@@ -422,7 +438,7 @@ def run(cfg: Config, progress: bool | None = None) -> StudyResult:
         results = _results(cfg, runs, resp, start, tv, kl, current)
     finally:
         torch.set_num_threads(threads)
-    return StudyResult(results, summarise(results, cfg))
+    return StudyResult(results, asdict(summarise(results, cfg)))
 
 
 # ---- summary ----------------------------------------------------------------------------------------------------
@@ -459,10 +475,10 @@ def final_intervals(results: pd.DataFrame, ci: float = 0.95, n_boot: int = 1000)
     return out
 
 
-def summarise(results: pd.DataFrame, cfg: Config) -> dict:
+def summarise(results: pd.DataFrame, cfg: Config) -> Summary:
     """final_tv[method][sampler] = {mean, lo, hi, per_seed}, the TV at the start, and the config the text quotes."""
     out = final_intervals(results, cfg.ci, cfg.n_boot)
     start = float(results[(results["metric"] == "tv") & (results["step"] == 0)]["value"].mean())
-    return {"study": "gvpo_optimum", "env": cfg.env, "beta": cfg.beta, "steps": cfg.steps,
-            "group_size": cfg.group_size, "seeds": list(cfg.seeds), "tv_at_start": start, "final_tv": out,
-            "policy": "prefix", "config": to_dict(cfg)}
+    return build(Summary, {"study": "gvpo_optimum", "env": cfg.env, "beta": cfg.beta, "steps": cfg.steps,
+                           "group_size": cfg.group_size, "seeds": list(cfg.seeds), "tv_at_start": start,
+                           "final_tv": out, "policy": "prefix", "config": to_dict(cfg)})
