@@ -3,6 +3,8 @@ headline shown first, static figures at 150 dpi whose alt text is in the noteboo
 live controls, and an HTML export that shows them."""
 from __future__ import annotations
 
+import dataclasses
+import importlib
 import io
 import json
 import re
@@ -45,8 +47,9 @@ def test_parameters_cell_and_kernel(lesson):
     nb = nbformat.read(str(ROOT / lesson.notebook), as_version=4)
     tagged = [c for c in nb.cells if "parameters" in c.metadata.get("tags", [])]
     assert len(tagged) == 1 and re.search(r"^out_dir = None\b", tagged[0].source, re.M)
-    params = pm.inspect_notebook(str(ROOT / lesson.notebook))
-    assert set(lesson.smoke) <= set(params) and "out_dir" in params
+    assert set(pm.inspect_notebook(str(ROOT / lesson.notebook))) == {"out_dir"}  # the rest comes from the Config
+    config = importlib.import_module(lesson.module).Config
+    assert set(lesson.smoke) <= {f.name for f in dataclasses.fields(config)}
     assert nb.metadata.kernelspec.name == "offpolicy-lab"
     assert all(not c.get("outputs") for c in nb.cells if c.cell_type == "code"), "commit notebooks without outputs"
 
