@@ -1,249 +1,150 @@
-"""What the real_distillation report says and draws: text and table from the study's summary alone, figures from its
-tidy aggregates (``lab.studies.real_distillation``)."""
+"""What the real_distillation report decides, from the study's Summary alone (``decide``), and draws from its tidy
+aggregates; the sentences are in templates/. Var(OPD) ÷ Var(estimator) is measured on the same probe responses at the
+same parameters (above 1: the estimator is less noisy); intervals are 95% bootstrap intervals over runs."""
 from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
 from matplotlib.figure import Figure
 from matplotlib.ticker import NullLocator
 
-from lab.reports.distillation import pretty
+from lab import estimators
 from lab.reports.style import color, interval, table
+from lab.reports.templates import render
+from lab.studies.real_distillation.study import Measured, Setting, Summary
+from lab.typed import build
 
+HERE = Path(__file__).parent
 ORDER = ("opd", "vopd", "vopd_topk", "kl_full", "kl_topk")
 
 
-def _fmt(r: dict | None, fmt: str = "{:.2g}") -> str:
-    return interval(r["value"], r["lo"], r["hi"], fmt) if r else "–"
+def summary_of(data: dict | Summary) -> Summary:
+    return data if isinstance(data, Summary) else build(Summary, data)
 
 
-def _gap(s: dict) -> str:
-    return "random student" if s["student_accuracy"] == 0 else f"student at accuracy {s['student_accuracy']:g}"
+def pretty(name: str) -> str:
+    """An estimator's display name (its registry label)."""
+    return estimators.info(name).label if name in estimators.names() else name
 
 
-def _where(s: dict) -> str:
-    return f"V = {s['vocab_size']}, {_gap(s)}"
+def shown(r: Measured | None, fmt: str = "{:.2g}") -> str:
+    """'v [lo, hi]', or a dash when absent."""
+    return interval(r.value, r.lo, r.hi, fmt) if r else "–"
 
 
-def _rated(summary: dict) -> list[dict]:
-    return [s for s in summary["settings"] if s["var_reduction"].get("vopd")]
-
-
-# ---- text -----------------------------------------------------------------------------------------------------------
-
-def headline(summary: dict) -> str:
-    """vOPD's largest and smallest variance reduction with the value share that explains each, and its cost."""
-    rated = [s for s in summary["settings"] if s["var_reduction"].get("vopd")]
-    if not rated:
-        return "real-teacher distillation: no vOPD variance measured"
-    hi = max(rated, key=lambda s: s["var_reduction"]["vopd"]["value"])
-    lo = min(rated, key=lambda s: s["var_reduction"]["vopd"]["value"])
-
-    def part(s):
-        r = s["var_reduction"]["vopd"]
-        return (f"{r['value']:.2g}x [{r['lo']:.2g}, {r['hi']:.2g}] at V = {s['vocab_size']} from a {_gap(s)} (value "
-                f"share {s['value_share']:.0%})")
-
-    text = f"vOPD's baseline cuts vanilla OPD's gradient variance by {part(hi)}"
-    if lo is not hi:
-        text += f" but only {part(lo)}"
-    vs_full = sorted(s["var_vs_kl_full"]["vopd"]["value"] for s in rated if s["var_vs_kl_full"].get("vopd"))
-    if vs_full:
-        text += (f"; it stays {vs_full[0]:.2g}-{vs_full[-1]:.2g}x noisier than full-vocabulary KL" if len(vs_full) > 1
-                 else f"; it stays {vs_full[0]:.2g}x noisier than full-vocabulary KL")
-    costs = [r["value"] for c in summary["step_cost"].values() for e, r in c.items() if e == "vopd"]
-    if costs:
-        span = f"{min(costs):.2f}x" if len(costs) == 1 else f"{min(costs):.2f}-{max(costs):.2f}x"
-        text += f"; a step costs {span} vanilla OPD's"
-    return text
-
-
-def source_line(summary: dict) -> str:
-    """Which runs the report shows: its small default grid, or a sweep's results folder."""
-    where = ("**This report shows its small default grid**, run in the report itself" if summary["sweep"] is None else
-             f"**This report shows a sweep's results folder** (`{summary['results']}`, sweep "
-             f"`{summary['sweep']['name']}`)")
-    full = (len(summary["estimators"]) * len(summary["vocab_sizes"]) * len(summary["student_accuracies"])
-            * len(summary["seeds"]))
-    partial = "" if summary["runs"] >= full else f" ({summary['runs']} of them finished: a partly run sweep)"
-    vocab = ", ".join(map(str, summary["vocab_sizes"]))
-    starts = ", ".join("random" if a == 0 else f"{a:g}" for a in summary["student_accuracies"])
-    return (f"{where}: {len(summary['estimators'])} estimators × V ∈ {{{vocab}}} × student start ∈ "
-            f"{{{starts}}} × {len(summary['seeds'])} seeds = {full} runs{partial}, {summary['steps']} steps each; a "
-            f"`{summary['student_size']}` student distilled from a `{summary['teacher_size']}` teacher on "
-            f"`{summary['env']}`.")
-
-
-def opening(summary: dict) -> str:
-    """Markdown: the finding at the setting where the baseline matters most, beside where it matters least."""
-    rated = _rated(summary)
-    lines = [source_line(summary), ""]
-    if not rated:
-        return "\n".join(lines + ["No vOPD gradient variance was measured (no probes)."])
-    hi = max(rated, key=lambda s: s["var_reduction"]["vopd"]["value"])
-    lo = min(rated, key=lambda s: s["var_reduction"]["vopd"]["value"])
-    lines.append(f"**Where it matters ({_where(hi)}), vOPD's baseline divides vanilla OPD's gradient variance by "
-                 f"{_fmt(hi['var_reduction']['vopd'])}**: the state's value −KL_t carries {hi['value_share']:.0%} of "
-                 f"the sampled-token reward's second moment, so subtracting it removes most of the noise "
-                 f"(a state-only baseline would give {_fmt(hi['pred_reduction'])}× if the score's size did not "
-                 f"depend on the token).")
-    if lo is not hi:
-        lines.append(f"At {_where(lo)} it divides it by only {_fmt(lo['var_reduction']['vopd'])}: the value share "
-                     f"is {lo['value_share']:.0%}, and most of the noise is the spread of rewards between tokens at "
-                     f"the same state, which no state-only baseline can remove.")
-    claim = _claim(summary)
-    if claim:
-        lines.append(claim)
-    return "\n\n".join(lines)
-
-
-def _span(values, fmt="{:.2g}") -> str:
+def span(values, fmt: str = "{:.2g}") -> str:
+    """'a-b' over the values, or one value."""
     values = sorted(values)
     return fmt.format(values[0]) if len(values) == 1 or values[0] == values[-1] else \
         f"{fmt.format(values[0])}-{fmt.format(values[-1])}"
 
 
-def _claim(summary: dict) -> str | None:
-    """The vOPD paper's claim, checked: beats vanilla OPD, matches full-vocabulary KL, at near-vanilla cost."""
-    rated = _rated(summary)
-    vs_full = [s["var_vs_kl_full"]["vopd"]["value"] for s in rated if s["var_vs_kl_full"].get("vopd")]
-    better = [s for s in rated if s["kl_minus_opd"].get("vopd")]
-    lower = [s for s in better if s["kl_minus_opd"]["vopd"]["hi"] < 0]
-    costs = [r["value"] for c in summary["step_cost"].values() for e, r in c.items() if e == "vopd"]
-    if not vs_full:
-        return None
-    parts = [f"**The claim, checked here.** vOPD beats vanilla OPD: less gradient variance in "
-             f"{len(summary['helps'])} of {len(rated)} settings"]
-    if better:
-        parts[0] += (f", and a lower final held-out KL (paired by seed) in {len(lower)} of {len(better)}")
-    parts.append(f"it does not match full-vocabulary KL's gradient noise, staying {_span(vs_full)}× noisier on the "
-                 f"same responses")
-    if costs:
-        parts.append(f"its step costs {_span(costs, '{:.2f}')}× vanilla OPD's here (the networks dominate at "
-                     f"V ≤ {max(summary['vocab_sizes'])}; see the benchmark for larger V)")
-    return "; ".join(parts) + "."
+# ---- decisions ------------------------------------------------------------------------------------------------------
+
+@dataclass
+class Decisions:
+    """What the report states, computed."""
+
+    rated: list[Setting]  # settings where vOPD's variance reduction was measured
+    most: Setting | None  # where the baseline cuts the variance most
+    least: Setting | None  # ... least
+    vs_full: list[float]  # Var(vOPD) / Var(full KL) over the rated settings
+    costs: list[float]  # vOPD's step time / OPD's, per V
+    trained_both: list[Setting]  # rated settings where vOPD's final KL was compared with OPD's
+    lower_kl: list[Setting]  # ... where it ends below OPD's (interval below 0)
+    rises_with_share: bool  # the measured factor rises with the value share across settings
+    below_prediction: list[Setting]  # the measured factor's interval lies below the predicted one
+    topk_loss_worse: list[Setting]  # the top-k KL loss ends above OPD's final KL (interval above 0)
+    predicted: list[Setting]  # rated settings with a predicted factor
+    topk: list[Setting]  # rated settings where the top-k baseline was measured
+    quiet: list[Setting]  # rated settings where vOPD was compared with full-vocabulary KL
+    compared: list[Setting]  # settings where final KLs were compared with OPD's
+    costed: list[tuple]  # (V, {estimator: step time / OPD's}) where measured
 
 
-def _variance_lines(summary: dict) -> list[str]:
-    out = []
-    for s in _rated(summary):
-        r, p = s["var_reduction"]["vopd"], s["pred_reduction"]
-        word = {"helps": "lowers", "hurts": "RAISES", "unresolved": "does not measurably change"}[s["verdict"]]
-        out.append(f"- {_where(s)} (start accuracy {s['initial_accuracy']:.2f}, KL {s['kl_token']:.2g}/token): the "
-                   f"baseline {word} the variance, Var(OPD) ÷ Var(vOPD) = **{_fmt(r)}**; value share "
-                   f"{s['value_share']:.0%}, predicted {_fmt(p)}.")
-    return out
+def decide(summary: dict | Summary) -> Decisions:
+    s = summary_of(summary)
+    rated = [x for x in s.settings if x.var_reduction.get("vopd")]
+
+    def factor(x: Setting) -> float:
+        return x.var_reduction["vopd"].value
+
+    ranks = [factor(x) for x in sorted(rated, key=lambda x: x.value_share)]
+    predicted = [x for x in rated if x.pred_reduction]
+    trained = [x for x in rated if x.kl_minus_opd.get("vopd")]
+    return Decisions(
+        rated=rated, most=max(rated, key=factor, default=None), least=min(rated, key=factor, default=None),
+        vs_full=[x.var_vs_kl_full["vopd"].value for x in rated if x.var_vs_kl_full.get("vopd")],
+        costs=[r.value for c in s.step_cost.values() for e, r in c.items() if e == "vopd"],
+        trained_both=trained, lower_kl=[x for x in trained if x.kl_minus_opd["vopd"].hi < 0],
+        rises_with_share=all(a <= b for a, b in zip(ranks, ranks[1:])),
+        below_prediction=[x for x in predicted if x.var_reduction["vopd"].hi < x.pred_reduction.lo],
+        topk_loss_worse=[x for x in s.settings if (d := x.kl_minus_opd.get("kl_topk")) and d.lo > 0],
+        predicted=predicted, topk=[x for x in rated if x.var_reduction.get("vopd_topk")],
+        quiet=[x for x in rated if x.var_vs_kl_full.get("vopd")], compared=[x for x in s.settings if x.kl_minus_opd],
+        costed=[(V, c) for V, c in s.step_cost.items() if c])
 
 
-def _topk_line(summary: dict) -> str | None:
-    parts = []
-    for s in _rated(summary):
-        r = s["var_reduction"].get("vopd_topk")
-        if r:
-            share = s["kl_topk_token"] / s["kl_token"] if s["kl_token"] > 0 else float("nan")
-            parts.append(f"{_where(s)}: {_fmt(r)} (its top-k KL is {share:.0%} of KL_t; top-k mass "
-                         f"{s['topk_mass']:.0%})")
-    if not parts:
-        return None
-    return ("- **The top-k baseline** (KL over the student's top-k tokens, both renormalised there) keeps less: "
-            + "; ".join(parts) + ". Renormalising the teacher over the student's top tokens drops log of the "
-            "teacher's total mass on them, the term that makes KL_t large when the student's favourites are wrong, "
-            "so the baseline misses the value exactly where the full one helps most.")
+# ---- text -----------------------------------------------------------------------------------------------------------
+
+def _gap(s: Setting) -> str:
+    return "random student" if s.student_accuracy == 0 else f"student at accuracy {s.student_accuracy:g}"
 
 
-def _topk_loss_line(summary: dict) -> str | None:
-    worse = [s for s in summary["settings"] if (d := s["kl_minus_opd"].get("kl_topk")) and d["lo"] > 0]
-    if not worse:
-        return None
-    parts = "; ".join(f"{_where(s)}: {_fmt(s['kl_minus_opd']['kl_topk'], '{:+.2g}')} nats (the student's top-k "
-                      f"holds {s['topk_mass']:.0%} of its mass)" for s in worse)
-    return ("- **The top-k KL loss is biased**: it optimises the KL over the student's top-k tokens only, so the mass "
-            "the student keeps elsewhere (on distractors) goes unpunished, and it ends ABOVE vanilla OPD's final KL: "
-            + parts + ".")
+def headline(name: str, summary: dict) -> str:
+    """One line for the gallery: vOPD's largest and smallest variance reduction with the value share that explains
+    each, how far it stays from full-vocabulary KL, and its cost."""
+    d = decide(summary)
+    if d.most is None:
+        return "real-teacher distillation: no vOPD variance measured"
+
+    def part(s: Setting) -> str:
+        r = s.var_reduction["vopd"]
+        return (f"{r.value:.2g}x [{r.lo:.2g}, {r.hi:.2g}] at V = {s.vocab_size} from a {_gap(s)} (value share "
+                f"{s.value_share:.0%})")
+
+    text = f"vOPD's baseline cuts vanilla OPD's gradient variance by {part(d.most)}"
+    if d.least is not d.most:
+        text += f" but only {part(d.least)}"
+    if d.vs_full:
+        text += f"; it stays {span(d.vs_full)}x noisier than full-vocabulary KL"
+    if d.costs:
+        text += f"; a step costs {span(d.costs, '{:.2f}')}x vanilla OPD's"
+    return text
 
 
-def _full_line(summary: dict) -> str | None:
-    parts = [f"{_where(s)}: vOPD {_fmt(s['var_vs_kl_full'].get('vopd'))}×, OPD "
-             f"{_fmt(s['var_vs_kl_full'].get('opd'))}×" for s in _rated(summary) if s["var_vs_kl_full"].get("vopd")]
-    if not parts:
-        return None
-    return ("- **Full-vocabulary KL is the quietest** (variance ÷ full KL's on the same responses): "
-            + "; ".join(parts)
-            + ". It removes the within-state noise too; what remains is which states a batch visits.")
+def _facts(summary: dict) -> dict:
+    s = summary_of(summary)
+    return {"s": s, "d": decide(s), "shown": shown, "span": span, "pretty": pretty, "gap": _gap,
+            "full": len(s.estimators) * len(s.vocab_sizes) * len(s.student_accuracies) * len(s.seeds)}
 
 
-def _training_lines(summary: dict) -> list[str]:
-    n = len(summary["seeds"])
-    out = []
-    for s in summary["settings"]:
-        d = s["kl_minus_opd"]
-        if not d:
-            continue
-        diffs = "; ".join(f"{pretty(e)} {_fmt(r, '{:+.2g}')}" for e, r in d.items())
-        out.append(f"- {_where(s)}: held-out KL {s['initial_kl_seq']:.3g} → OPD "
-                   f"{_fmt(s['final_kl_seq'].get('opd'), '{:.3g}')}; final minus OPD's, paired by seed: {diffs}.")
-    if out:
-        few = "; with so few, read the intervals as ranges" if n < 5 else ""
-        out.insert(0, f"**Does lower variance train faster?** Final held-out sequence KL after {summary['steps']} "
-                      f"steps ({n} seeds{few}):")
-    return out
-
-
-def _cost_line(summary: dict) -> str | None:
-    parts = []
-    for V, c in summary["step_cost"].items():
-        if c:
-            parts.append(f"V = {V}: " + ", ".join(f"{pretty(e)} {r['value']:.2f}×" for e, r in c.items()))
-    if not parts:
-        return None
-    return ("- **Cost per step** (median wall clock over runs ÷ vanilla OPD's; sampling, teacher and update "
-            "together): " + "; ".join(parts) + ". At these vocabularies the networks dominate and every estimator "
-            "costs about the same; runs at different times on a shared machine also differ by its load, so "
-            "`benchmarks/bench_real_distillation.py` measures the ratios in one run, interleaved, up to larger V.")
-
-
-def _prediction_line(summary: dict) -> str:
-    rated = [s for s in _rated(summary) if s["pred_reduction"]]
-    below = [s for s in rated if s["var_reduction"]["vopd"]["hi"] < s["pred_reduction"]["lo"]]
-    order = sorted(rated, key=lambda s: s["value_share"])
-    ranks = [s["var_reduction"]["vopd"]["value"] for s in order]
-    follows = all(a <= b for a, b in zip(ranks, ranks[1:]))
-    return (f"Across the {len(rated)} settings the measured factor {'rises' if follows else 'does not always rise'} "
-            f"with the value share, and lies below the prediction in {len(below)} of them: the prediction treats "
-            f"every token's score ∇log π(y_t) as equally large and ignores the noise of which states a batch "
-            f"visits, which no baseline removes (full-vocabulary KL keeps it too).")
+def opening(summary: dict) -> str:
+    """Markdown: which runs, and the finding at the setting where the baseline matters most, beside where it matters
+    least, and the vOPD paper's claim checked."""
+    return render(HERE, "opening.md", **_facts(summary))
 
 
 def answer(summary: dict) -> str:
     """Markdown: where the baseline helps and why, what top-k and full KL do, training outcome, cost."""
-    lines = ["**Where vOPD's baseline helps** (Var(OPD) ÷ Var(vOPD) on the same probe responses at the same "
-             "parameters, pooled over every probe of every run; 95% bootstrap interval over runs):", ""]
-    lines += _variance_lines(summary)
-    lines += ["", "**Why.** Per token OPD's coefficient is r_t = log π_T(y_t) − log π_S(y_t), with E[r_t²|s_t] = "
-              "Var(r_t|s_t) + KL_t². vOPD subtracts the mean −KL_t, so it can remove at most the value share "
-              "KL_t² ÷ E[r_t²]: large for a random student whose sampled tokens are all about equally bad (with "
-              "distractors, most of its mass sits where the teacher has none), small for a warm student whose right "
-              "and wrong tokens get very different rewards at the same state. " + _prediction_line(summary), ""]
-    lines += [x for x in (_topk_line(summary), _full_line(summary), _topk_loss_line(summary)) if x]
-    lines += [""] + _training_lines(summary)
-    cost = _cost_line(summary)
-    if cost:
-        lines += ["", cost]
-    return "\n".join(lines)
+    return render(HERE, "answer.md", **_facts(summary))
 
 
-def _start(s: dict) -> str:
-    return "random" if s["student_accuracy"] == 0 else f"{s['initial_accuracy']:.2f}"
+def _start(s: Setting) -> str:
+    return "random" if s.student_accuracy == 0 else f"{s.initial_accuracy:.2f}"
 
 
 def results_table(summary: dict):
     """One row per setting: value share, the factor it predicts and the measured variance reductions."""
     rows = []
-    for s in summary["settings"]:
-        red = s["var_reduction"]
-        rows.append({"V": s["vocab_size"], "student start": _start(s), "KL / token": f"{s['kl_token']:.3g}",
-                     "value share": f"{s['value_share']:.0%}", "predicted": _fmt(s["pred_reduction"]),
-                     **{pretty(e): _fmt(red.get(e)) for e in ORDER[1:] if e in red}})
+    for s in summary_of(summary).settings:
+        red = s.var_reduction
+        rows.append({"V": s.vocab_size, "student start": _start(s), "KL / token": f"{s.kl_token:.3g}",
+                     "value share": f"{s.value_share:.0%}", "predicted": shown(s.pred_reduction),
+                     **{pretty(e): shown(red.get(e)) for e in ORDER[1:] if e in red}})
     return table(pd.DataFrame(rows), "Var(OPD) ÷ Var(estimator), measured on the same probe responses at the same "
                                      "parameters [95% interval over runs], beside the value share mean KL_t² ÷ "
                                      "mean E[r_t²|s_t] and the factor 1 ÷ (1 − share) it predicts for vOPD.")
@@ -251,13 +152,14 @@ def results_table(summary: dict):
 
 def final_table(summary: dict):
     """One row per setting: the held-out sequence KL at the start and after training, per trained estimator."""
+    s_ = summary_of(summary)
     rows = []
-    for s in summary["settings"]:
-        fin = s["final_kl_seq"]
-        rows.append({"V": s["vocab_size"], "student start": _start(s), "start KL": f"{s['initial_kl_seq']:.3g}",
-                     **{pretty(e): _fmt(fin.get(e), "{:.3g}") for e in ORDER if e in fin}})
+    for s in s_.settings:
+        fin = s.final_kl_seq
+        rows.append({"V": s.vocab_size, "student start": _start(s), "start KL": f"{s.initial_kl_seq:.3g}",
+                     **{pretty(e): shown(fin.get(e), "{:.3g}") for e in ORDER if e in fin}})
     return table(pd.DataFrame(rows), f"Held-out reverse KL(π_S ‖ π_T) per response (nats) at the start and after "
-                                     f"{summary['steps']} steps [95% interval over {len(summary['seeds'])} seeds].")
+                                     f"{s_.steps} steps [95% interval over {len(s_.seeds)} seeds].")
 
 
 # ---- figures --------------------------------------------------------------------------------------------------------
