@@ -49,10 +49,10 @@ def stable(table: pd.DataFrame) -> pd.DataFrame:
     ({"teacher_size": "huge"}, "unknown teacher size"),
     ({"teacher_accuracy": 1.0}, "strictly between 0 and 1"),
     ({"student_accuracy": -0.1}, r"\[0, 1\)"),
-    ({"distractors": -1}, "non-negative integer"),
+    ({"distractors": -1}, "distractors must be a whole number from 0"),
     ({"top_k": 0}, "top_k must be a positive"),
     ({"hyper": {"return_to_go": 2}}, "return_to_go"),
-    ({"lr": float("nan")}, "learning rate"),
+    ({"lr": float("nan")}, "lr must be a number"),
     ({"steps": 0}, "steps must be a positive"),
     ({"batch_size": 2.5}, "whole number"),
     ({"eval_prompts": 1000}, "held-out"),
@@ -125,7 +125,7 @@ def test_a_student_equal_to_its_teacher_gets_zero_gradient(cache):
 def test_baselines_are_exactly_unbiased_on_the_transformer(cache):
     """E[gradient] by enumerating every response of the real student, against the teacher: OPD, vOPD and vOPD top-k
     (any k) all equal the per-token target exactly; the top-k KL loss does not."""
-    # T = 1: 4 prompts x 10 responses; the exact helpers of lab.studies.distillation take one network for both, so
+    # T = 1: 4 prompts x 10 responses; the exact helpers of lab.studies.distillation.exact take one network for both, so
     # the (random) student has the teacher's size here
     cfg = DistillConfig(**{**TINY, "difficulty": 1, "n_prompts": 4, "student_size": TINY["teacher_size"]})
     setup = make_setup(cfg)
