@@ -6,9 +6,10 @@ Two sources of runs, aggregated the same way:
 
 - the grid of this config (``estimators`` x ``vocab_sizes`` x ``student_accuracies`` x ``seeds``), run here cell by
   cell: each cell is ``distil(DistillConfig(...))``, exactly the cell the sweep ``sweeps/real_distillation.yaml``
-  runs (``kind: distill``), with this config's (smaller) number of steps;
-- ``results``: the folder of a finished sweep of kind distill (``lab sweep sweeps/real_distillation.yaml``), read
-  with ``lab.engine.sweep.load_results``; the grid fields are then ignored.
+  of this folder runs (``kind: distill``), with this config's (smaller) number of steps;
+- ``results``: the folder of a finished sweep of kind distill
+  (``lab sweep lab/studies/real_distillation/sweeps/real_distillation.yaml``), read with
+  ``lab.engine.sweep.load_results``; the grid fields are then ignored.
 
 A setting is (V, the student's warm-start accuracy; 0 = a random student). Aggregates (tidy rows: ``part``, setting,
 ``estimator``, ``metric``, ``update``, ``value``, ``lo``, ``hi``, ``n``), every interval a 95% percentile bootstrap
@@ -38,18 +39,21 @@ lies outside its top-k (``topk_mass``).
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Literal
 
 import numpy as np
 import pandas as pd
 
 from lab import stats
-from lab.configs import check_types, check_unique
+from lab.configs import SEED_MAX, check_types, check_unique
 from lab.engine.distill import DIGITS, FAMILY, DistillConfig, distil
 from lab.errors import LabError
+from lab.policies.transformer import SIZES
 from lab.progress import bar
 from lab.studies import StudyResult
+from lab.typed import knob
 
 SETTING = ("vocab_size", "student_accuracy")
 RUN = (*SETTING, "estimator", "seed")
@@ -59,6 +63,7 @@ INITIAL = {"kl_seq": "initial_kl_seq", "kl_seq_train": "initial_kl_seq_train", "
 SWEPT = {"cell_id", "estimator", "distractors", "student_accuracy", "seed"}  # grid keys the study aggregates over
 CELL_FIELDS = ("env", "difficulty", "n_prompts", "teacher_size", "teacher_accuracy", "student_size", "top_k",
                "batch_size", "steps", "lr", "grad_every", "probe_size", "eval_every", "device")
+SWEEP = "lab/studies/real_distillation/sweeps/real_distillation.yaml"  # the full grid (kind distill)
 
 
 @dataclass
@@ -69,45 +74,45 @@ class Config:
 
     results: str | None = None
     """a finished sweep folder of kind distill to aggregate instead of running the grid below"""
-    estimators: list = field(default_factory=lambda: list(FAMILY))
-    """trained estimators (opd is needed: everything is a ratio to vanilla OPD)"""
-    vocab_sizes: list = field(default_factory=lambda: [10, 64])
+    estimators: list[Literal[FAMILY]] = knob(list(FAMILY))
+    """trained estimators, one run each per setting (opd is needed: everything is a ratio to vanilla OPD)"""
+    vocab_sizes: list[int] = knob([10, 64], ge=DIGITS, le=1_000_000)
     """response vocabularies V = 10 digits + V - 10 distractor tokens"""
-    student_accuracies: list = field(default_factory=lambda: [0.0, 0.3])
+    student_accuracies: list[float] = knob([0.0, 0.3], ge=0, lt=1)
     """the student's warm-start accuracy (the gap to the teacher); 0: a random student"""
-    seeds: list = field(default_factory=lambda: [0, 1])
-    """seeds of every run"""
-    steps: int = 30
+    seeds: list[int] = knob([0, 1], ge=0, le=SEED_MAX)
+    """seeds of every run (at least two: intervals are over runs)"""
+    steps: int = knob(30, ge=1, le=1_000_000)
     """optimiser steps per run"""
     env: str = DistillConfig.env
-    """task env preset"""
-    difficulty: int = DistillConfig.difficulty
+    """task env preset (chain, sorting or addition; see `lab envs`)"""
+    difficulty: int = knob(DistillConfig.difficulty, ge=1, le=64)
     """the task's difficulty (chain: T)"""
-    n_prompts: int = DistillConfig.n_prompts
+    n_prompts: int = knob(DistillConfig.n_prompts, ge=1, le=1_000_000)
     """training prompts"""
-    teacher_size: str = DistillConfig.teacher_size
-    """teacher transformer size"""
-    teacher_accuracy: float = DistillConfig.teacher_accuracy
-    """the teacher's warm-start accuracy"""
-    student_size: str = DistillConfig.student_size
+    teacher_size: Literal[tuple(SIZES)] = DistillConfig.teacher_size
+    """teacher transformer size (lab.policies.transformer.SIZES; larger than the student's)"""
+    teacher_accuracy: float = knob(DistillConfig.teacher_accuracy, gt=0, lt=1)
+    """the teacher's warm-start accuracy on the task"""
+    student_size: Literal[tuple(SIZES)] = DistillConfig.student_size
     """student transformer size"""
-    top_k: int = DistillConfig.top_k
+    top_k: int = knob(DistillConfig.top_k, ge=1, le=1_000_000)
     """k of the top-k baseline and loss"""
-    batch_size: int = DistillConfig.batch_size
-    """responses per step"""
-    lr: float = DistillConfig.lr
-    """Adam learning rate"""
-    grad_every: int = DistillConfig.grad_every
-    """gradient-variance probe every this many steps"""
-    probe_size: int = DistillConfig.probe_size
-    """responses per probe"""
-    eval_every: int = DistillConfig.eval_every
+    batch_size: int = knob(DistillConfig.batch_size, ge=1, le=1_000_000)
+    """student responses per step"""
+    lr: float = knob(DistillConfig.lr, gt=0, le=1e3)
+    """the student's Adam learning rate"""
+    grad_every: int = knob(DistillConfig.grad_every, ge=0, le=1_000_000)
+    """measure the gradient variance every this many steps (0: never)"""
+    probe_size: int = knob(DistillConfig.probe_size, ge=2, le=1_000_000)
+    """responses per gradient-variance probe"""
+    eval_every: int = knob(DistillConfig.eval_every, ge=1, le=1_000_000)
     """sequence KL every this many steps"""
     device: str = DistillConfig.device
-    """cpu | cuda"""
-    n_boot: int = 2000
+    """where the networks run: cpu | cuda"""
+    n_boot: int = knob(2000, ge=10, le=1_000_000)
     """bootstrap resamples"""
-    ci: float = 0.95
+    ci: float = knob(0.95, gt=0, lt=1)
     """interval coverage"""
 
     def cells(self) -> list[DistillConfig]:
@@ -120,12 +125,10 @@ class Config:
 
     def validate(self) -> None:
         check_types(self)
-        if not 0 < self.ci < 1 or self.n_boot < 10:
-            raise LabError("ci must lie in (0, 1) and n_boot be at least 10")
         if self.results is not None:
-            if not isinstance(self.results, str) or not (Path(self.results) / "sweep.json").is_file():
+            if not (Path(self.results) / "sweep.json").is_file():
                 raise LabError(f"results {self.results!r} is not a sweep folder (no sweep.json); run `lab sweep "
-                               f"sweeps/real_distillation.yaml --out DIR` and pass DIR")
+                               f"{SWEEP} --out DIR` and pass DIR")
             return
         for name in ("estimators", "vocab_sizes", "student_accuracies", "seeds"):
             if not getattr(self, name):
@@ -133,13 +136,76 @@ class Config:
             check_unique(name, getattr(self, name))
         if "opd" not in self.estimators:
             raise LabError("estimators must include opd: variance and cost are reported as ratios to vanilla OPD")
-        for V in self.vocab_sizes:
-            if isinstance(V, bool) or not isinstance(V, int) or V < DIGITS:
-                raise LabError(f"vocabulary sizes are whole numbers >= {DIGITS} (the digits), got {V!r}")
         if len(self.seeds) < 2:
             raise LabError("give at least two seeds: intervals are taken over seeds")
         for cell in self.cells():
             cell.validate()
+
+
+SMOKE = {"vocab_sizes": [10], "student_accuracies": [0.0], "seeds": [0, 1], "steps": 4, "grad_every": 2,
+         "probe_size": 8, "batch_size": 16, "teacher_size": "small", "teacher_accuracy": 0.5, "student_size": "test",
+         "n_boot": 200}
+
+
+# ---- the summary's shape --------------------------------------------------------------------------------------------
+
+@dataclass
+class Measured:
+    """An aggregate with its 95% interval and the number of units (runs or seeds) behind it."""
+
+    value: float
+    lo: float
+    hi: float
+    n: int
+
+
+@dataclass
+class Setting:
+    """One (V, student start): the variance ratios on the same probes, the value share that predicts vOPD's, the
+    training outcome per trained estimator. Mappings are keyed by estimator; None: not measured."""
+
+    vocab_size: int
+    student_accuracy: float
+    initial_accuracy: float
+    initial_kl_seq: float
+    teacher_accuracy: float
+    var_reduction: dict[str, Measured | None]  # Var(OPD) / Var(estimator)
+    var_vs_kl_full: dict[str, Measured | None]  # Var(estimator) / Var(full-vocabulary KL)
+    pred_reduction: Measured | None  # 1 / (1 - value share): a state-only baseline's factor, were scores equal
+    final_kl_seq: dict[str, Measured | None]
+    kl_closed: dict[str, Measured | None]  # share of the initial KL closed
+    kl_minus_opd: dict[str, Measured | None]  # final KL minus OPD's, paired by seed
+    value_share: float
+    distractor_mass: float
+    topk_mass: float
+    kl_token: float
+    kl_topk_token: float
+    verdict: str  # helps | hurts | unresolved | unmeasured: vOPD's variance reduction against 1
+    training_verdict: str  # vOPD's final KL against OPD's
+
+
+@dataclass
+class Summary:
+    """What a real-teacher distillation study found (summary.json)."""
+
+    study: str
+    source: str  # which runs: the default grid run here, or a sweep folder
+    results: str | None
+    sweep: dict | None  # the sweep's name, base and grid
+    runs: int
+    seeds: list[int]
+    estimators: list[str]
+    vocab_sizes: list[int]
+    student_accuracies: list[float]
+    steps: int
+    student_size: str
+    teacher_size: str
+    env: str
+    settings: list[Setting]
+    step_cost: dict[str, dict[str, Measured]]  # V -> estimator -> step time / OPD's
+    helps: list[str]  # settings where vOPD's baseline lowers the variance
+    not_helps: list[str]
+    config: dict  # n_boot, ci
 
 
 # ---- runs ----------------------------------------------------------------------------------------------------------
@@ -166,7 +232,7 @@ def read_sweep(folder: str) -> tuple[pd.DataFrame, pd.DataFrame, dict]:
     meta = json.loads((Path(folder) / "sweep.json").read_text())
     if meta.get("kind", "train") != "distill":
         raise LabError(f"{folder} holds a sweep of kind {meta.get('kind', 'train')!r}; give a distill sweep "
-                       f"(sweeps/real_distillation.yaml)")
+                       f"({SWEEP})")
     other = sorted(set(meta.get("grid") or {}) - SWEPT)
     if other:
         raise LabError(f"the sweep in {folder} also varies {', '.join(other)}; this study aggregates over estimator, "
@@ -321,58 +387,59 @@ def verdict(r: dict) -> str:
     return "helps" if r["lo"] > 1 else "hurts" if r["hi"] < 1 else "unresolved"
 
 
-def setting_summary(results: pd.DataFrame, runs: pd.DataFrame, V, a) -> dict:
+def measured(r: dict) -> Measured | None:
+    """A ``pick`` as a Measured (None when absent)."""
+    return Measured(r["value"], r["lo"], r["hi"], r["n"]) if r else None
+
+
+def setting_summary(results: pd.DataFrame, runs: pd.DataFrame, V, a) -> Setting:
     g = runs[(runs["vocab_size"] == V) & (runs["student_accuracy"] == a)]
     probed = sorted(set(results.loc[(results["metric"] == "var_reduction"), "estimator"]))
     trained = list(pd.unique(g["estimator"]))
-    out = {"vocab_size": int(V), "student_accuracy": float(a), "initial_accuracy": float(g["initial_accuracy"].mean()),
-           "initial_kl_seq": float(g["initial_kl_seq"].mean()),
-           "teacher_accuracy": float(g["teacher_accuracy"].mean()),
-           "var_reduction": {e: pick(results, "variance", "var_reduction", e, V, a) for e in probed},
-           "var_vs_kl_full": {e: pick(results, "variance", "var_vs_kl_full", e, V, a) for e in ["opd", *probed]
-                              if e != "kl_full"},
-           "pred_reduction": pick(results, "variance", "pred_reduction", "-", V, a),
-           "final_kl_seq": {e: pick(results, "final", "final_kl_seq", e, V, a) for e in trained},
-           "kl_closed": {e: pick(results, "final", "kl_closed", e, V, a) for e in trained},
-           "kl_minus_opd": {e: pick(results, "final", "kl_minus_opd", e, V, a) for e in trained if e != "opd"}}
-    for m in ("value_share", "distractor_mass", "topk_mass", "kl_token", "kl_topk_token"):
-        out[m] = pick(results, "variance", m, "-", V, a).get("value", float("nan"))
-    out["verdict"] = verdict(out["var_reduction"].get("vopd", {}))
-    d = out["kl_minus_opd"].get("vopd", {})
-    out["training_verdict"] = ("unmeasured" if not d else "lower final KL" if d["hi"] < 0 else
-                               "higher final KL" if d["lo"] > 0 else "no detectable difference")
-    return out
+
+    def each(part, metric, names):
+        return {e: measured(pick(results, part, metric, e, V, a)) for e in names}
+
+    red = each("variance", "var_reduction", probed)
+    diff = each("final", "kl_minus_opd", [e for e in trained if e != "opd"])
+    d = diff.get("vopd")
+    masses = {m: pick(results, "variance", m, "-", V, a).get("value", float("nan"))
+              for m in ("value_share", "distractor_mass", "topk_mass", "kl_token", "kl_topk_token")}
+    return Setting(
+        vocab_size=int(V), student_accuracy=float(a), initial_accuracy=float(g["initial_accuracy"].mean()),
+        initial_kl_seq=float(g["initial_kl_seq"].mean()), teacher_accuracy=float(g["teacher_accuracy"].mean()),
+        var_reduction=red, var_vs_kl_full=each("variance", "var_vs_kl_full", [e for e in ["opd", *probed]
+                                                                              if e != "kl_full"]),
+        pred_reduction=measured(pick(results, "variance", "pred_reduction", "-", V, a)),
+        final_kl_seq=each("final", "final_kl_seq", trained), kl_closed=each("final", "kl_closed", trained),
+        kl_minus_opd=diff, **masses, verdict=verdict(pick(results, "variance", "var_reduction", "vopd", V, a)),
+        training_verdict=("unmeasured" if d is None else "lower final KL" if d.hi < 0 else
+                          "higher final KL" if d.lo > 0 else "no detectable difference"))
 
 
-def summarise(results: pd.DataFrame, runs: pd.DataFrame, source: str, cfg: Config, meta: dict | None) -> dict:
+def summarise(results: pd.DataFrame, runs: pd.DataFrame, source: str, cfg: Config, meta: dict | None) -> Summary:
     """summary.json: every number the report's text prints."""
-    settings = [setting_summary(results, runs, V, a)
-                for (V, a), _ in runs.groupby(list(SETTING), sort=True)]
+    settings = [setting_summary(results, runs, V, a) for (V, a), _ in runs.groupby(list(SETTING), sort=True)]
     cost = {}
     for V in sorted(runs["vocab_size"].unique()):
-        cost[str(int(V))] = {e: pick(results, "cost", "step_ratio", e, V) for e in pd.unique(runs["estimator"])
-                             if e != "opd"}
-        cost[str(int(V))] = {e: r for e, r in cost[str(int(V))].items() if r}
-    summary = {
-        "study": "real_distillation", "source": source, "results": cfg.results,
-        "sweep": None if meta is None else {"name": meta.get("name"), "base": meta.get("base"),
-                                            "grid": meta.get("grid")},
-        "runs": int(len(runs)), "seeds": sorted(int(s) for s in runs["seed"].unique()),
-        "estimators": list(pd.unique(runs["estimator"])),
-        "vocab_sizes": sorted(int(v) for v in runs["vocab_size"].unique()),
-        "student_accuracies": sorted(float(a) for a in runs["student_accuracy"].unique()),
-        "steps": int(runs["updates"].max()), "student_size": str(runs["student_size"].iloc[0]),
-        "teacher_size": str(runs["teacher_size"].iloc[0]), "env": str(runs["env"].iloc[0]),
-        "settings": settings, "step_cost": cost,
-        "helps": [_key(s) for s in settings if s["verdict"] == "helps"],
-        "not_helps": [_key(s) for s in settings if s["verdict"] != "helps"],
-        "config": {k: getattr(cfg, k) for k in ("n_boot", "ci")},
-    }
-    return summary
+        picked = {e: measured(pick(results, "cost", "step_ratio", e, V)) for e in pd.unique(runs["estimator"])
+                  if e != "opd"}
+        cost[str(int(V))] = {e: r for e, r in picked.items() if r}
+    return Summary(
+        study="real_distillation", source=source, results=cfg.results,
+        sweep=None if meta is None else {"name": meta.get("name"), "base": meta.get("base"), "grid": meta.get("grid")},
+        runs=int(len(runs)), seeds=sorted(int(s) for s in runs["seed"].unique()),
+        estimators=list(pd.unique(runs["estimator"])), vocab_sizes=sorted(int(v) for v in runs["vocab_size"].unique()),
+        student_accuracies=sorted(float(a) for a in runs["student_accuracy"].unique()),
+        steps=int(runs["updates"].max()), student_size=str(runs["student_size"].iloc[0]),
+        teacher_size=str(runs["teacher_size"].iloc[0]), env=str(runs["env"].iloc[0]), settings=settings,
+        step_cost=cost, helps=[_key(s) for s in settings if s.verdict == "helps"],
+        not_helps=[_key(s) for s in settings if s.verdict != "helps"],
+        config={k: getattr(cfg, k) for k in ("n_boot", "ci")})
 
 
-def _key(s: dict) -> str:
-    return f"V={s['vocab_size']}, student accuracy {s['student_accuracy']:g}"
+def _key(s: Setting) -> str:
+    return f"V={s.vocab_size}, student accuracy {s.student_accuracy:g}"
 
 
 def run(cfg: Config, progress: bool | None = None) -> StudyResult:
@@ -380,7 +447,7 @@ def run(cfg: Config, progress: bool | None = None) -> StudyResult:
     cfg.validate()
     if cfg.results is None:
         steps, runs = run_grid(cfg, progress)
-        meta, source = None, "the small default grid of lab.studies.real_distillation.Config, run in this report"
+        meta, source = None, "the small default grid of lab.studies.real_distillation.study.Config, run in this report"
     else:
         steps, runs, meta = read_sweep(cfg.results)
         source = f"the sweep results folder {cfg.results} ({len(runs)} finished runs)"
@@ -388,5 +455,4 @@ def run(cfg: Config, progress: bool | None = None) -> StudyResult:
         if "vocab_size" not in frame:
             frame["vocab_size"] = DIGITS + frame["distractors"]
     results = aggregate(steps, runs, cfg.n_boot, cfg.ci)
-    return StudyResult(results, summarise(results, runs, source, cfg, meta))
-
+    return StudyResult(results, asdict(summarise(results, runs, source, cfg, meta)))

@@ -1,17 +1,13 @@
-"""The on-policy distillation variance study: bias against two exact targets, variance, and what a baseline buys.
+"""The distillation study: bias against two exact targets, variance, and what a baseline buys.
 
 Setting: a student pi_S and a frozen teacher pi_T (same policy kind) over an enumerable toy env (vocabulary V,
 length T). The distillation objective is the reverse KL of the student from the teacher on the student's own rollouts
 (``lab.estimators.distillation``: vanilla OPD, Thinking Machines 2025; vOPD, Oh et al. 2026, arXiv 2605.07865, and
-its release's top-k forms; the full-vocabulary KL of GKD, Agarwal et al. 2024). Two exact targets, by enumerating every
-response (float64):
-
-    per-token   g_tok = grad_theta sum_y sg[pi_S(y)] sum_t m_t KL_t(theta)        (visitation held fixed)
-    sequence    g_seq = grad_theta KL(pi_S(y) || pi_T(y)) = grad_theta E_{pi_S}[sum_t KL_t]   (adds the state term)
-
-with KL_t = KL(pi_S(.|s_t) || pi_T(.|s_t)), averaged over prompts. Estimators return ascent directions -grad loss,
-whose on-policy mean is -c g_tok (or -c g_seq), c = 1 for seq-mean-token-sum and 1/T for the per-token normalised
-modes (fixed length); estimates are compared with -c g.
+its release's top-k forms; the full-vocabulary KL of GKD, Agarwal et al. 2024). Two exact targets by enumerating
+every response (``lab.studies.distillation.exact``, float64): the per-token target g_tok (the states the student
+visits held fixed) and the sequence-level target g_seq = grad KL(pi_S(y) || pi_T(y)) (the state term added).
+Estimators return ascent directions -grad loss, whose on-policy mean is -c g_tok (or -c g_seq), c = 1 for
+seq-mean-token-sum and 1/T for the per-token normalised modes (fixed length); estimates are compared with -c g.
 
 M replicate batches of B responses come from the behaviour policy (the student itself, or with ``behaviour_lag`` a
 snapshot that many steps behind on the student's distillation trajectory); every estimator variant runs on the same
@@ -28,22 +24,25 @@ sequence-level distillation toward the teacher (0: the initial policy).
 
 Each variant's gradients [M, D] are reduced to exact low-dimensional coordinates before any statistics: every
 statistic is an inner product, so the M estimates and the two targets are replaced by their coordinates in an
-orthonormal basis of their span (an eigendecomposition of their (M+2) x (M+2) Gram matrix); the numbers are the same
-up to float64 rounding.
+orthonormal basis of their span (``exact.isometric_coordinates``); the numbers are the same up to float64 rounding.
+
+Where the baseline helps (``grid_*``): with ``grid_vocab_sizes`` given, the study also measures Var(OPD) / Var(vOPD)
+in one small study per (response length, V, teacher perturbation) (``reduction_grid``) and adds it to the results
+(``part`` = reduction_grid) and the summary.
 """
 from __future__ import annotations
 
 import dataclasses
-import math
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass
+from typing import Literal
 
 import numpy as np
 import pandas as pd
 import torch
-from torch.func import vmap
 
 import toy_envs
 from lab import stats
+from lab.configs import SEED_MAX, check_types, check_unique
 from lab.engine.batches import Batch, draw_batches
 from lab.engine.estimator import Estimator
 from lab.engine.exact import Problem, Support
@@ -52,12 +51,14 @@ from lab.engine.metrics import gram_metrics, variance_resamples
 from lab.engine.staleness import optimisation_trajectory
 from lab.engine.variance import GRADIENT_MEMORY_BUDGET
 from lab.errors import LabError
-from lab.estimators.aggregation import check_mode, target_scale
-from lab.estimators.distillation import reverse_kl, topk_reverse_kl
-from lab.policies import init_params, log_probs_of, make_policy, sequence_log_probs, token_log_probs
+from lab.estimators.aggregation import AGG_MODES, check_mode, target_scale
+from lab.policies import init_params, log_probs_of, make_policy
 from lab.progress import bar
 from lab.seeding import derive_seed, generator
 from lab.studies import StudyResult
+from lab.studies.distillation.exact import (expected_estimate, isometric_coordinates, per_token_target,
+                                            sequence_kl, sequence_target, topk_mass)
+from lab.typed import knob
 
 ESTIMATORS = ("opd", "opd_rtg", "vopd", "vopd_topk", "kl_full", "kl_topk")  # opd_rtg: opd with return_to_go=True
 TOPK = ("vopd_topk", "kl_topk")
@@ -69,56 +70,64 @@ UNBIASED_TOL = 1e-6  # exact relative bias below this counts as unbiased (float6
 
 @dataclass
 class Config:
-    """One distillation variance study. Every field has a default: ``Config()`` runs in seconds."""
+    """One distillation study. Every field has a default: ``Config()`` runs in seconds (no grid)."""
 
     env: str = "small_dense"
-    """toy env preset; its reward only trains the teacher"""
-    vocab_size: int = 32
+    """toy env preset (see `lab envs`); its reward only trains the teacher"""
+    vocab_size: int = knob(32, ge=2, le=1_000_000)
     """V (overrides the preset)"""
-    length: int = 3
+    length: int = knob(3, ge=1, le=64)
     """T (overrides the preset)"""
-    n_prompts: int = 1
+    n_prompts: int = knob(1, ge=1, le=1_000_000)
     """prompts (overrides the preset)"""
-    policy: str = "prefix"
+    policy: Literal["prefix", "markov"] = "prefix"
     """policy of student and teacher: prefix | markov"""
-    teacher: str = "trained"
+    teacher: Literal[TEACHERS] = "trained"
     """trained (Adam on the env's reward) | perturbed (noisy copy of the initial logits)"""
-    teacher_steps: int = 10
+    teacher_steps: int = knob(10, ge=0, le=1_000_000)
     """Adam steps of the trained teacher"""
-    teacher_lr: float = 0.3
+    teacher_lr: float = knob(0.3, gt=0, le=1e3)
     """the trained teacher's learning rate"""
-    teacher_noise: float = 1.5
+    teacher_noise: float = knob(1.5, ge=0, le=1e3, only=("teacher", "perturbed"))
     """std of the perturbed teacher's logit noise"""
-    teacher_temperature: float = 1.0
+    teacher_temperature: float = knob(1.0, gt=0, le=1e3)
     """teacher logits are divided by this"""
-    init_scale: float = 1.0
+    init_scale: float = knob(1.0, ge=0, le=100)
     """the student's initial logits ~ N(0, init_scale^2)"""
-    student_steps: int = 0
+    student_steps: int = knob(0, ge=0, le=1_000_000)
     """Adam steps of exact sequence-level distillation before the study (0: the initial policy)"""
-    student_lr: float = 0.05
+    student_lr: float = knob(0.05, gt=0, le=1e3)
     """their learning rate"""
-    behaviour_lag: int = 0
-    """sample from the student snapshot this many steps back (0: on-policy)"""
+    behaviour_lag: int = knob(0, ge=0, le=1_000_000)
+    """sample from the student snapshot this many steps back (0: on-policy; at most student_steps)"""
     importance_weights: bool = False
     """sampled-token estimators multiply by sg[pi_S / mu] per token"""
-    estimators: list = field(default_factory=lambda: list(ESTIMATORS))
+    estimators: list[Literal[ESTIMATORS]] = knob(list(ESTIMATORS))
     """estimators: opd, opd_rtg (opd with reward-to-go), vopd, vopd_topk, kl_full, kl_topk"""
-    k_values: list = field(default_factory=lambda: [2, 4, 8, 16])
+    k_values: list[int] = knob([2, 4, 8, 16], ge=1, le=1_000_000)
     """top-k sizes for vopd_topk and kl_topk"""
-    loss_agg_mode: str = "token-mean"
+    loss_agg_mode: Literal[AGG_MODES] = "token-mean"
     """loss aggregation mode of every estimator"""
-    batch_size: int = 32
+    batch_size: int = knob(32, ge=1, le=1_000_000)
     """B responses per batch"""
-    replicates: int = 300
+    replicates: int = knob(300, ge=2, le=1_000_000)
     """M independent batches"""
-    enum_limit: int = toy_envs.DEFAULT_ENUM_LIMIT
+    enum_limit: int = knob(toy_envs.DEFAULT_ENUM_LIMIT, ge=1, le=2**31)
     """largest number of (prompt, response) pairs to enumerate"""
-    n_boot: int = 1000
+    n_boot: int = knob(1000, ge=10, le=1_000_000)
     """bootstrap resamples"""
-    ci: float = 0.95
+    ci: float = knob(0.95, gt=0, lt=1)
     """interval coverage"""
-    seed: int = 0
+    seed: int = knob(0, ge=0, le=SEED_MAX)
     """seed of every random stream of the study"""
+    grid_vocab_sizes: list[int] = knob([], ge=2, le=1_000_000)
+    """where the baseline helps: vocabulary sizes of the reduction grid (empty: no grid)"""
+    grid_teacher_noises: list[float] = knob([0.25, 1.0, 3.0], ge=0, le=1e3)
+    """... and teacher perturbations (the student-teacher divergence; a perturbed teacher in every grid setting)"""
+    grid_lengths: list[int] = knob([2, 3], ge=1, le=64)
+    """... and response lengths"""
+    grid_replicates: int = knob(200, ge=2, le=1_000_000)
+    """M independent batches per grid setting"""
 
     def make_env(self):
         return toy_envs.make(self.env, vocab_size=self.vocab_size, length=self.length, n_prompts=self.n_prompts)
@@ -128,68 +137,155 @@ class Config:
         return Problem(env, make_policy(self.policy, env), "exact", self.enum_limit)
 
     def validate(self) -> None:
+        check_types(self)
+        for name in ("estimators", "grid_vocab_sizes", "grid_teacher_noises", "grid_lengths"):
+            check_unique(name, getattr(self, name))
+        self._validate_one()
+        if self.grid_vocab_sizes:
+            if not self.grid_teacher_noises or not self.grid_lengths:
+                raise LabError("the reduction grid needs at least one teacher noise and one response length")
+            for T in self.grid_lengths:  # every grid setting's enumeration, before any of them runs
+                for V in self.grid_vocab_sizes:
+                    try:
+                        grid_cell(self, V, T, self.grid_teacher_noises[0])._validate_one()
+                    except LabError as e:
+                        raise LabError(f"reduction grid setting V = {V}, T = {T}: {e}") from None
+
+    def _validate_one(self) -> None:
         problem = self.problem()
         problem.check()
-        self._validate_setup()
-        self._validate_estimators()
+        if not self.estimators:
+            raise LabError("give at least one estimator")
+        if self.behaviour_lag > self.student_steps:
+            raise LabError(f"behaviour lag {self.behaviour_lag} exceeds the student's trajectory "
+                           f"({self.student_steps} steps); raise student_steps")
+        if any(e in TOPK for e in self.estimators) and not self.k_values:
+            raise LabError("give at least one top-k size in k_values for the top-k estimators")
         check_mode(self.loss_agg_mode)
         if problem.env.eos and self.loss_agg_mode != "seq-mean-token-sum":
             raise LabError(f"with variable-length responses ({self.env} has an end token) only seq-mean-token-sum "
                            f"estimates a fixed multiple of the targets; set loss_agg_mode to seq-mean-token-sum")
-        if self.batch_size < 1:
-            raise LabError(f"batch size must be at least 1, got {self.batch_size}")
-        if self.replicates < 2:
-            raise LabError(f"replicates must be at least 2 to measure a variance, got {self.replicates}")
-        if not 0 < self.ci < 1 or self.n_boot < 10:
-            raise LabError("ci must lie in (0, 1) and n_boot be at least 10")
         need = self.replicates * int(np.prod(problem.policy.shape)) * 4  # the [M, D] float32 estimates of a variant
         if need > GRADIENT_MEMORY_BUDGET:
             raise LabError(f"{self.replicates} replicates x {need // (4 * self.replicates):,} parameters need "
                            f"{need / 2**30:.1f} GiB of gradient estimates (budget "
                            f"{GRADIENT_MEMORY_BUDGET / 2**30:.0f} GiB); use fewer replicates or the markov policy")
 
-    def _validate_setup(self) -> None:
-        if self.teacher not in TEACHERS:
-            raise LabError(f"unknown teacher construction {self.teacher!r}; choose one of {', '.join(TEACHERS)}")
-        for name in ("teacher_steps", "student_steps", "behaviour_lag"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or v < 0:
-                raise LabError(f"{name} must be a non-negative whole number, got {v!r}")
-        if self.behaviour_lag > self.student_steps:
-            raise LabError(f"behaviour lag {self.behaviour_lag} exceeds the student's trajectory "
-                           f"({self.student_steps} steps); raise student_steps")
-        for name in ("teacher_lr", "student_lr", "teacher_temperature"):
-            v = getattr(self, name)
-            if not (math.isfinite(v) and v > 0):
-                raise LabError(f"{name} must be a positive number, got {v}")
-        for name in ("teacher_noise", "init_scale"):
-            v = getattr(self, name)
-            if not (math.isfinite(v) and v >= 0):
-                raise LabError(f"{name} must be a finite non-negative number, got {v}")
-
-    def _validate_estimators(self) -> None:
-        if not self.estimators:
-            raise LabError("give at least one estimator")
-        unknown = [e for e in self.estimators if e not in ESTIMATORS]
-        if unknown:
-            raise LabError(f"unknown distillation estimator(s) {', '.join(unknown)}; "
-                           f"choose from {', '.join(ESTIMATORS)}")
-        if any(e in TOPK for e in self.estimators):
-            if not self.k_values:
-                raise LabError("give at least one top-k size in k_values for the top-k estimators")
-            for k in self.k_values:
-                if not (isinstance(k, int) and not isinstance(k, bool) and k >= 1):
-                    raise LabError(f"top-k sizes must be positive whole numbers, got {k!r}")
-
     def topk_sizes(self) -> list[int]:
         """The distinct top-k sizes the study measures (none without a top-k estimator)."""
         return sorted(set(self.k_values)) if any(e in TOPK for e in self.estimators) else []
 
 
+SMOKE = {"vocab_size": 8, "length": 2, "replicates": 40, "k_values": [2], "teacher_steps": 3, "n_boot": 200,
+         "grid_vocab_sizes": [3, 8], "grid_teacher_noises": [1.0], "grid_replicates": 40, "grid_lengths": [2]}
+
+
+def grid_cell(cfg: Config, vocab_size: int, length: int, teacher_noise: float) -> Config:
+    """One setting of the reduction grid: OPD and vOPD, on-policy, against a perturbed teacher, no grid of its own."""
+    return dataclasses.replace(cfg, vocab_size=vocab_size, length=length, teacher="perturbed",
+                               teacher_noise=teacher_noise, estimators=["opd", "vopd"], replicates=cfg.grid_replicates,
+                               student_steps=0, behaviour_lag=0, importance_weights=False, grid_vocab_sizes=[])
+
+
+# ---- the summary's shape --------------------------------------------------------------------------------------------
+
+@dataclass
+class Interval:
+    """A number with its interval."""
+
+    value: float
+    lo: float
+    hi: float
+
+
+@dataclass
+class Reduction(Interval):
+    """Var(OPD) / Var(a vOPD variant) with its interval, and the variant's top-k size (None: the full baseline)."""
+
+    k: int | None = None
+
+
+@dataclass
+class TargetBias:
+    """One variant against one target: the exact relative bias ‖E g − c g‖ ÷ ‖c g‖, the sampled bias norm and MSE ÷
+    ‖target‖²."""
+
+    exact_rel_bias: float
+    sampled_bias_norm: Interval
+    rel_mse: Interval
+
+
+@dataclass
+class Bias:
+    per_token: TargetBias
+    sequence: TargetBias
+    unbiased_for: list[str]  # the targets its exact expectation equals (relative bias < UNBIASED_TOL)
+
+
+@dataclass
+class Variant:
+    """Per variant: registry name, k, variance ÷ ‖g_tok‖², Var(OPD) ÷ Var and, for top-k baselines when the full one
+    helps, the share of the full baseline's variance reduction it keeps, (1 − 1/r_k) ÷ (1 − 1/r)."""
+
+    estimator: str
+    k: int | None
+    rel_variance: Interval
+    variance_reduction: Interval | None
+    kept_share: float | None = None
+
+
+@dataclass
+class GridCell:
+    length: int
+    vocab_size: int
+    teacher_noise: float
+    kl_token: float
+    ratio: float  # Var(OPD) / Var(vOPD)
+    lo: float
+    hi: float
+    verdict: str  # helps (lo > 1) | hurts (hi < 1) | unresolved
+
+
+@dataclass
+class Grid:
+    """Where the baseline helps: Var(OPD) ÷ Var(vOPD) per (T, V, teacher noise)."""
+
+    cells: list[GridCell]
+    helps: int
+    hurts: int
+    unresolved: int
+    replicates: int
+    lengths: list[int]
+
+
+@dataclass
+class Summary:
+    """What a distillation study found (summary.json); variant labels key the mappings (e.g. vopd_top4)."""
+
+    study: str
+    env: str
+    vocab_size: int
+    length: int
+    kl_seq: float  # KL(pi_S(y) || pi_T(y)) per response
+    kl_token: float  # ... per token
+    target_norms: dict[str, float]  # target -> ‖c g‖
+    targets_cos: float  # cos(g_tok, g_seq)
+    targets_rel_gap: float  # ‖g_tok − g_seq‖ ÷ ‖g_seq‖
+    variance_reduction: dict[str, Reduction]  # vOPD variants: Var(OPD) ÷ Var
+    variance_vs_kl_full: dict[str, Interval]  # Var(variant) ÷ Var(full-vocabulary KL)
+    bias: dict[str, Bias]
+    variance: dict[str, float]
+    variants: dict[str, Variant]
+    student_topk_mass: dict[str, float]  # k -> the student's exact mass in its top-k
+    student_trajectory_kl: list[float]  # sequence KL before each of the student's distillation steps
+    config: dict  # the sampling settings
+    reduction_grid: Grid | None = None
+
+
 # ---- estimator variants ---------------------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
-class Variant:
+class Run:
     """One estimator as the study runs it: a unique label (e.g. vopd_top4), the resolved estimator, its top-k size."""
 
     label: str
@@ -201,12 +297,12 @@ class Variant:
         return self.est.name
 
 
-def variants(cfg: Config) -> list[Variant]:
+def variants(cfg: Config) -> list[Run]:
     """The estimator variants of a study, in a fixed order: top-k estimators once per k."""
     iw = {"importance_weights": True} if cfg.importance_weights else {}
 
     def make(label, name, hyper, k=None):
-        return Variant(label, Estimator.resolve(name, hyper, cfg.loss_agg_mode), k)
+        return Run(label, Estimator.resolve(name, hyper, cfg.loss_agg_mode), k)
 
     out = []
     for e in cfg.estimators:
@@ -219,92 +315,6 @@ def variants(cfg: Config) -> list[Variant]:
         else:
             out.append(make(e, e, dict(iw) if e in SAMPLED_TOKEN else {}))
     return out
-
-
-# ---- exact quantities by enumeration --------------------------------------------------------------------------------
-
-def kl_per_token(policy, theta_s, theta_t, prompts, tokens) -> torch.Tensor:
-    """KL_t = KL(pi_S(.|s_t) || pi_T(.|s_t)) at every position of every response: [..., T] (mask it)."""
-    return reverse_kl(policy.logits(theta_s, prompts, tokens), policy.logits(theta_t, prompts, tokens))
-
-
-def sequence_kl(policy, theta_s, theta_t, support: Support) -> float:
-    """KL(pi_S(y|x) || pi_T(y|x)) averaged over prompts, with ``support`` the student's exact distribution."""
-    with torch.no_grad():
-        ls = sequence_log_probs(policy, theta_s.double(), support.prompts, support.tokens, support.mask)
-        lt = sequence_log_probs(policy, theta_t.double(), support.prompts, support.tokens, support.mask)
-    return float((support.weights * (ls - lt)).sum())
-
-
-def per_token_target(policy, theta_s, theta_t, support: Support) -> torch.Tensor:
-    """(a) grad_theta sum_y sg[w(y)] sum_t m_t KL_t(theta): the visitation weights w held fixed. Float64, flat."""
-    theta = theta_s.detach().double().requires_grad_(True)
-    kl = kl_per_token(policy, theta, theta_t.detach().double(), support.prompts, support.tokens)
-    objective = (support.weights.detach() * (kl * support.mask).sum(-1)).sum()
-    (g,) = torch.autograd.grad(objective, theta)
-    return g.reshape(-1)
-
-
-def sequence_target(policy, theta_s, theta_t, support: Support) -> torch.Tensor:
-    """(b) grad_theta KL(pi_S(y) || pi_T(y)) = grad sum_y pi_S(y) (log pi_S(y) - log pi_T(y)) / P, differentiating
-    the probabilities too (the state-distribution term included). ``support`` only supplies the responses."""
-    theta = theta_s.detach().double().requires_grad_(True)
-    ls = sequence_log_probs(policy, theta, support.prompts, support.tokens, support.mask)
-    with torch.no_grad():
-        lt = sequence_log_probs(policy, theta_t.double(), support.prompts, support.tokens, support.mask)
-    n_prompts = int(support.prompts.max()) + 1 if support.prompts.numel() else 1
-    objective = (torch.exp(ls) * (ls - lt)).sum() / n_prompts
-    (g,) = torch.autograd.grad(objective, theta)
-    return g.reshape(-1)
-
-
-def expected_estimate(policy, theta_s, theta_t, support_mu: Support, est: Estimator, theta_mu=None) -> torch.Tensor:
-    """E_mu[-grad loss] of the resolved estimator ``est`` for one response per batch, exactly (float64, flat).
-
-    Every response of ``support_mu`` (mu's exact distribution) is its own batch of one; the per-response losses
-    (vmap over responses) are weighted by mu(y) and differentiated once. For fixed-length responses every
-    aggregation mode averages per-response terms, so this is also the mean of the B-response batch estimate.
-    ``theta_mu`` gives the behaviour log-probs passed as ``old_log_prob`` (default: the student's own).
-    """
-    s = support_mu
-    theta = theta_s.detach().double().requires_grad_(True)
-    prompts, tokens, mask = s.prompts[:, None], s.tokens[:, None], s.mask[:, None]
-    logits = policy.logits(theta, prompts, tokens)
-    log_prob = log_probs_of(logits, tokens) * mask
-    with torch.no_grad():
-        t_logits = policy.logits(theta_t.detach().double(), prompts, tokens)
-        old = (log_prob.detach() if theta_mu is None
-               else token_log_probs(policy, theta_mu.double(), prompts, tokens) * mask)
-    extras = {"teacher_log_prob": log_probs_of(t_logits, tokens) * mask, "logits": logits, "teacher_logits": t_logits}
-    wanted = set(est.info.inputs) | set(est.info.optional_inputs)
-    named = {k: v for k, v in extras.items() if k in wanted}
-
-    def one(lp, old_lp, m, kw):
-        return est.loss_on_log_probs(lp, old_lp, torch.zeros_like(lp), m, **kw)[0]
-
-    losses = vmap(one)(log_prob, old, mask, named)
-    (g,) = torch.autograd.grad((s.weights * losses).sum(), theta)
-    return -g.reshape(-1)
-
-
-def topk_mass(policy, theta_s, support: Support, k: int) -> float:
-    """E over the student's visited states (per real token) of the student's probability mass in its top-k."""
-    with torch.no_grad():
-        logits = policy.logits(theta_s.double(), support.prompts, support.tokens)
-        _, mass = topk_reverse_kl(logits, logits, k)
-    per_seq = (mass * support.mask).sum(-1)
-    return float((support.weights * per_seq).sum() / (support.weights * support.mask.sum(-1)).sum())
-
-
-def isometric_coordinates(grads: torch.Tensor, *targets: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """Coordinates [M, r] and [r] with the same inner products as ``grads`` [M, D] and each target [D] (float64)."""
-    X = torch.cat([grads.double(), torch.stack([t.double() for t in targets])])
-    gram = X @ X.T
-    evals, evecs = torch.linalg.eigh(gram)
-    keep = evals > evals.max().clamp(min=1e-300) * 1e-13
-    Y = evecs[:, keep] * evals[keep].sqrt()
-    M = grads.shape[0]
-    return Y[:M], [Y[M + i] for i in range(len(targets))]
 
 
 # ---- student, teacher, behaviour ------------------------------------------------------------------------------------
@@ -391,7 +401,7 @@ def exact_targets(cfg: Config, setup: Setup) -> Targets:
 
 # ---- tidy rows ------------------------------------------------------------------------------------------------------
 
-def _row(key: dict, metric: str, value, lo=None, hi=None, variant: Variant | None = None, target: str = "-",
+def _row(key: dict, metric: str, value, lo=None, hi=None, variant: Run | None = None, target: str = "-",
          k=None) -> dict:
     k = k if variant is None else variant.k
     return {**key, "estimator": "-" if variant is None else variant.name,
@@ -432,7 +442,7 @@ def draw_replicates(cfg: Config, setup: Setup) -> Replicates:
                       torch.zeros_like(batch.mask), counts)
 
 
-def measure_variant(cfg: Config, setup: Setup, targets: Targets, reps: Replicates, v: Variant, key: dict):
+def measure_variant(cfg: Config, setup: Setup, targets: Targets, reps: Replicates, v: Run, key: dict):
     """(rows, variance series [1 + n_boot]) of one variant: statistics against both targets, exact bias, variance,
     and the estimator's own metrics."""
     need = {k: reps.extras[k] for k in v.est.info.inputs if k in reps.extras}
@@ -459,7 +469,7 @@ def measure_variant(cfg: Config, setup: Setup, targets: Targets, reps: Replicate
     return rows, series
 
 
-def variance_ratios(cfg: Config, vs: list[Variant], series: dict, key: dict) -> tuple[list[dict], dict]:
+def variance_ratios(cfg: Config, vs: list[Run], series: dict, key: dict) -> tuple[list[dict], dict]:
     """Var(opd) / Var(v) ("variance_reduction") and Var(v) / Var(kl_full) ("variance_vs_kl_full"), each a ratio of
     jointly resampled variances with its percentile interval. Returns (rows, {vopd label: reduction})."""
     rows, reduction = [], {}
@@ -508,52 +518,61 @@ def _topk_mass(results: pd.DataFrame) -> dict:
     return {f"{k:g}": float(v) for k, v in zip(rows["k"], rows["value"])}
 
 
-def _bias(results: pd.DataFrame, lab: str) -> dict:
-    out = {t: {"exact_rel_bias": lookup(results, lab, "exact_rel_bias", t)["value"],
-               "sampled_bias_norm": lookup(results, lab, "bias_norm", t),
-               "rel_mse": lookup(results, lab, "rel_mse", t)} for t in TARGETS}
-    out["unbiased_for"] = unbiased_targets(results, lab)
-    return out
+def _interval(r: dict) -> Interval | None:
+    return Interval(r["value"], r["lo"], r["hi"]) if r else None
 
 
-def _variant_entry(results: pd.DataFrame, v: Variant, reduction: dict) -> dict:
+def _bias(results: pd.DataFrame, lab: str) -> Bias:
+    per = {t: TargetBias(lookup(results, lab, "exact_rel_bias", t)["value"],
+                         _interval(lookup(results, lab, "bias_norm", t)), _interval(lookup(results, lab, "rel_mse", t)))
+           for t in TARGETS}
+    return Bias(per["per_token"], per["sequence"], unbiased_targets(results, lab))
+
+
+def _variant_entry(results: pd.DataFrame, v: Run, reduction: dict) -> Variant:
     """Per variant: registry name, k, variance ÷ ‖g_tok‖², Var(OPD) ÷ Var and, for top-k baselines, the share of
     the full baseline's variance reduction they keep."""
-    entry = {"estimator": v.name, "k": v.k, "rel_variance": lookup(results, v.label, "rel_variance"),
-             "variance_reduction": lookup(results, v.label, "variance_reduction") or None}
     full = reduction.get("vopd", {}).get("value")
-    if v.label.startswith("vopd_top") and full and full > 1:
-        entry["kept_share"] = kept_share(reduction[v.label]["value"], full)
-    return entry
+    kept = kept_share(reduction[v.label]["value"], full) if v.label.startswith("vopd_top") and full and full > 1 \
+        else None
+    return Variant(v.name, v.k, _interval(lookup(results, v.label, "rel_variance")),
+                   _interval(lookup(results, v.label, "variance_reduction")), kept)
 
 
 def summarise(cfg: Config, setup: Setup, targets: Targets, results: pd.DataFrame, reduction: dict,
-              vs: list[Variant]) -> dict:
+              vs: list[Run]) -> Summary:
     """summary.json: every number the report's text and table print."""
     labs = [v.label for v in vs]
     vs_full = {lab: lookup(results, lab, "variance_vs_kl_full") for lab in labs if lab != "kl_full"}
-    return {
-        "study": "opd_variance",
-        "env": setup.env.name, "vocab_size": setup.env.vocab_size, "length": setup.env.length,
-        "kl_seq": targets.kl_seq, "kl_token": targets.kl_seq / targets.mean_len,
-        "target_norms": targets.norms, "targets_cos": targets.cos, "targets_rel_gap": targets.rel_gap,
-        "variance_reduction": reduction,
-        "variance_vs_kl_full": {k: v for k, v in vs_full.items() if v},
-        "bias": {lab: _bias(results, lab) for lab in labs},
-        "variance": {lab: lookup(results, lab, "variance")["value"] for lab in labs},
-        "variants": {v.label: _variant_entry(results, v, reduction) for v in vs},
-        "student_topk_mass": _topk_mass(results),
-        "student_trajectory_kl": setup.student_trajectory,
-        "config": {k: getattr(cfg, k) for k in ("policy", "teacher", "replicates", "batch_size", "behaviour_lag",
-                                                "importance_weights", "loss_agg_mode", "seed")},
-    }
+    return Summary(
+        study="distillation", env=setup.env.name, vocab_size=setup.env.vocab_size, length=setup.env.length,
+        kl_seq=targets.kl_seq, kl_token=targets.kl_seq / targets.mean_len, target_norms=targets.norms,
+        targets_cos=targets.cos, targets_rel_gap=targets.rel_gap,
+        variance_reduction={lab: Reduction(r["value"], r["lo"], r["hi"], r["k"]) for lab, r in reduction.items()},
+        variance_vs_kl_full={k: _interval(v) for k, v in vs_full.items() if v},
+        bias={lab: _bias(results, lab) for lab in labs},
+        variance={lab: lookup(results, lab, "variance")["value"] for lab in labs},
+        variants={v.label: _variant_entry(results, v, reduction) for v in vs},
+        student_topk_mass=_topk_mass(results), student_trajectory_kl=setup.student_trajectory,
+        config={k: getattr(cfg, k) for k in ("policy", "teacher", "replicates", "batch_size", "behaviour_lag",
+                                             "importance_weights", "loss_agg_mode", "seed")})
 
 
 # ---- the study ------------------------------------------------------------------------------------------------------
 
 def run(cfg: Config, progress: bool | None = None) -> StudyResult:
-    """(tidy results, summary) of one distillation variance study; deterministic given ``cfg.seed``."""
+    """(tidy results, summary) of one distillation study, and its reduction grid when ``grid_vocab_sizes`` is given;
+    deterministic given ``cfg.seed``."""
     cfg.validate()
+    results, summary = measure(cfg, progress)
+    if cfg.grid_vocab_sizes:
+        grid, summary.reduction_grid = reduction_grid(cfg, progress)
+        results = pd.concat([results, tidy_grid(grid)], ignore_index=True)
+    return StudyResult(results, asdict(summary))
+
+
+def measure(cfg: Config, progress: bool | None = None) -> tuple[pd.DataFrame, Summary]:
+    """(tidy results, Summary) of the study's one setting (no grid); ``cfg`` is validated."""
     setup = make_setup(cfg)
     targets = exact_targets(cfg, setup)
     env = setup.env
@@ -571,41 +590,37 @@ def run(cfg: Config, progress: bool | None = None) -> StudyResult:
     bars.close()
     ratio_rows, reduction = variance_ratios(cfg, vs, series, key)
     results = pd.DataFrame(rows + ratio_rows)
-    return StudyResult(results, summarise(cfg, setup, targets, results, reduction, vs))
+    return results, summarise(cfg, setup, targets, results, reduction, vs)
 
 
-# ---- where does the baseline help? ------------------------------------------------------------------------------------
+# ---- where does the baseline help? ----------------------------------------------------------------------------------
 
-def reduction_grid(cfg: Config, vocab_sizes: list, teacher_noises: list, replicates: int = 200,
-                   lengths: list | None = None, progress: bool | None = None) -> StudyResult:
-    """vOPD's variance reduction Var(OPD) / Var(vOPD) with its interval, against vocabulary size and the student-
-    teacher divergence (and response length, default the config's): one study per (V, teacher noise, T), a perturbed
-    teacher (initial logits + noise N(0, 1)), OPD
-    and vOPD on the same batches. A ratio below 1 (interval excluding 1) means the state-value baseline RAISES the
-    variance: -KL_t is the conditional mean of the reward, but the product of the centred reward with the score
-    grad log pi(y_t) can correlate with it, and with few tokens the cross term dominates. Results: one row per cell
-    with the ratio, its interval and the exact KL per token; the summary lists the cells where the baseline helps,
-    where it hurts and where the interval contains 1."""
-    rows, lengths = [], lengths or [cfg.length]
-    cells = [(int(T), int(V), float(noise)) for T in lengths for V in vocab_sizes for noise in teacher_noises]
+def reduction_grid(cfg: Config, progress: bool | None = None) -> tuple[pd.DataFrame, Grid]:
+    """vOPD's variance reduction Var(OPD) / Var(vOPD) with its interval, against vocabulary size, the student-teacher
+    divergence and response length (``cfg.grid_*``): one study per (T, V, teacher noise), a perturbed teacher
+    (initial logits + noise N(0, 1)), OPD and vOPD on the same batches (``grid_cell``). A ratio below 1 (interval
+    excluding 1) means the state-value baseline RAISES the variance: -KL_t is the conditional mean of the reward, but
+    the product of the centred reward with the score grad log pi(y_t) can correlate with it, and with few tokens the
+    cross term dominates. Returns one row per cell (the ratio, its interval, the exact KL per token, the verdict)
+    and the Grid summary: where the baseline helps, where it hurts, where the interval contains 1."""
+    rows = []
+    cells = [(int(T), int(V), float(noise)) for T in cfg.grid_lengths for V in cfg.grid_vocab_sizes
+             for noise in cfg.grid_teacher_noises]
     with bar(len(cells), "reduction grid", progress) as bars:
         for T, V, noise in cells:
-            cell = dataclasses.replace(cfg, vocab_size=V, length=T, teacher="perturbed", teacher_noise=noise,
-                                       estimators=["opd", "vopd"], replicates=replicates, student_steps=0,
-                                       behaviour_lag=0, importance_weights=False)
-            results, summary = run(cell, progress=False)
-            r = summary["variance_reduction"]["vopd"]
+            results, summary = measure(grid_cell(cfg, V, T, noise), progress=False)
+            r = summary.variance_reduction["vopd"]
             rows.append({"length": T, "vocab_size": V, "teacher_noise": noise,
-                         "kl_token": lookup(results, "-", "kl_token")["value"], "ratio": r["value"], "lo": r["lo"],
-                         "hi": r["hi"]})
+                         "kl_token": lookup(results, "-", "kl_token")["value"], "ratio": r.value, "lo": r.lo,
+                         "hi": r.hi})
             bars.update(1)
     grid = pd.DataFrame(rows)
     verdict = np.where(grid["lo"] > 1, "helps", np.where(grid["hi"] < 1, "hurts", "unresolved"))
     grid["verdict"] = verdict
-    summary = {"cells": grid.to_dict("records"), "helps": int((verdict == "helps").sum()),
-               "hurts": int((verdict == "hurts").sum()), "unresolved": int((verdict == "unresolved").sum()),
-               "replicates": replicates, "lengths": [int(T) for T in lengths]}
-    return StudyResult(grid, summary)
+    summary = Grid([GridCell(**c) for c in grid.to_dict("records")], int((verdict == "helps").sum()),
+                   int((verdict == "hurts").sum()), int((verdict == "unresolved").sum()), cfg.grid_replicates,
+                   [int(T) for T in cfg.grid_lengths])
+    return grid, summary
 
 
 def tidy_grid(grid: pd.DataFrame) -> pd.DataFrame:
