@@ -1,6 +1,6 @@
 """RL training of the lab's transformer (lab/engine/training.py with policy="transformer"): the N = 1 identity,
-exact reproduction, real mismatch, bad input, a killed sweep that resumes to the uninterrupted result, and the
-real_staleness_training study's aggregation."""
+exact reproduction, real mismatch, bad input, a killed sweep that resumes to the uninterrupted result (the
+real_staleness_training study built on it has its tests in its folder)."""
 from __future__ import annotations
 
 import os
@@ -18,8 +18,6 @@ import pytest
 from lab.engine.sweep import load_results, load_spec, run_sweep
 from lab.engine.training import TrainConfig, train
 from lab.errors import LabError
-from lab.reports import real_staleness_training as rst
-from lab.studies import real_staleness_training as rs
 
 LAB = Path(sys.executable).parent / "lab"
 TINY = dict(env="chain3", policy="transformer", size="test", warm_start=0.3, rollout_batch=16, group_size=4, steps=3,
@@ -148,76 +146,6 @@ def test_a_transformer_sweep_on_ray_equals_the_local_pool(tmp_path):
     (sa, ra), (sb, rb) = load_results(tmp_path / "local"), load_results(tmp_path / "ray")
     pd.testing.assert_frame_equal(sa, sb, check_exact=True)
     pd.testing.assert_frame_equal(ra, rb, check_exact=True)
-
-
-def _fake_table(iqms: dict) -> pd.DataFrame:
-    rows = [dict(study="sync", setting="minibatches", x=str(n), estimator=e, metric=f"{rs.LABEL}_iqm", value=v,
-                 lo=lo, hi=hi, n=5, baseline=None) for (e, n), (v, lo, hi) in iqms.items()]
-    return pd.DataFrame(rows)
-
-
-def test_orderings_by_hand():
-    # at the largest N: vespo's interval lies above gspo's (reproduced), sapo's above ppo_clip's (reversed: the paper
-    # has GRPO > SAPO), the rest overlap (ppo_clip's and gspo's touch at 0.25)
-    t = _fake_table({("vespo", 64): (0.5, 0.45, 0.55), ("gspo", 64): (0.3, 0.25, 0.35),
-                     ("ppo_clip", 64): (0.2, 0.15, 0.25), ("sapo", 64): (0.4, 0.3, 0.5),
-                     ("vespo", 4): (0.1, 0.0, 0.2), ("gspo", 4): (0.1, 0.0, 0.2), ("ppo_clip", 4): (0.1, 0.0, 0.2),
-                     ("sapo", 4): (0.1, 0.0, 0.2)})
-    got = {(o["better"], o["worse"]): o["verdict"] for o in rs.orderings(t)}
-    # the paper's VESPO 61.8 > GRPO (ppo_clip) 48.6 > GSPO 47.6 > SAPO 16.5 at N = 64 orders every pair
-    assert got == {("vespo", "gspo"): "reproduced", ("vespo", "ppo_clip"): "reproduced",
-                   ("vespo", "sapo"): "not separated", ("gspo", "sapo"): "not separated",
-                   ("ppo_clip", "sapo"): "reversed", ("ppo_clip", "gspo"): "not separated"}
-    deg = rs.degradation(t)
-    assert not deg["vespo"]["degrades"]  # it rose
-    t2 = _fake_table({("vespo", 4): (0.5, 0.45, 0.55), ("vespo", 64): (0.2, 0.1, 0.3)})
-    assert rs.degradation(t2)["vespo"]["degrades"]
-
-
-def test_headline_and_orderings_text_say_what_the_orderings_say():
-    t = _fake_table({("vespo", 64): (0.5, 0.45, 0.55), ("gspo", 64): (0.3, 0.25, 0.35),
-                     ("ppo_clip", 64): (0.2, 0.15, 0.25), ("sapo", 64): (0.4, 0.3, 0.5)})
-    s = {"orderings": rs.orderings(t)}
-    hl = rst.headline(s)
-    assert hl.startswith("At N = 64: reproduced ") and "reversed sapo > ppo_clip" in hl
-    assert "vespo > gspo" in hl and "vespo > ppo_clip" in hl and hl.endswith("3 of 6 paper orderings not separated "
-                                                                            "by the seeds")
-    text = rst.orderings_text(s)
-    assert "reproduces 2, reverses 1 and cannot separate 3" in text
-    assert "VESPO > GSPO (paper at N = 64: 62% vs 48%; miniature at N = 64: vespo 0.50 [0.45, 0.55] vs gspo 0.30 " \
-           "[0.25, 0.35]): **reproduced**" in text
-    assert rst.headline({"orderings": []}).startswith("fewer than two")
-
-
-def test_real_staleness_study_runs_small_and_reads_back_its_sweeps(tmp_path):
-    cfg = rs.Config(env="chain3", size="test", estimators=["reinforce", "ppo_clip", "vespo"], minibatches=[1, 4],
-                    seeds=[0, 1], steps=2, rollout_batch=32, group_size=4, etas=[0, 2], sampler_dtypes=["bfloat16"],
-                    replay=[False, True], workers=2, n_boot=100, sweep_dir=str(tmp_path / "sweeps"))
-    res = rs.run(cfg, progress=False)
-    assert set(res.results["study"]) == {"sync", "async", "mismatch"}
-    mm = res.results[(res.results["study"] == "mismatch") & (res.results["metric"] == f"{rs.LABEL}_iqm")]
-    assert set(mm["x"]) == {"bfloat16", "bfloat16+replay"}
-    s = res.summary
-    assert s["setup"]["size"] == "test" and s["setup"]["seeds"] == 2
-    assert [o["better"] for o in s["orderings"]] == ["vespo"]
-    # the report's text prints the summary's numbers, at the largest staleness
-    assert rst.headline(s).startswith("At N = 4: ")
-    text, at4 = rst.answer(s), s["table"]["sync"]
-    assert "**At the largest staleness, N = 4**" in text and "Shown: the sweeps in" not in text
-    assert all(rst._iv(at4[e]["4"][f"{rs.LABEL}_iqm"]) in text for e in at4)
-    paper = rst.paper_table(s)
-    assert list(paper["estimator"]) == list(at4) and list(paper.columns) == ["estimator", "N=1", "N=4"]
-    assert paper.set_index("estimator").loc["vespo", "N=4"].endswith("(paper 70%)")  # VESPO's table at N = 4
-    fig = rst.accuracy_vs_setting(res.results)
-    assert [t.get_text() for t in fig.axes[0].get_legend().get_texts()] == list(at4)
-    # N = 1: every estimator is REINFORCE, so the IQMs agree exactly
-    n1 = {e: v["1"][f"{rs.LABEL}_iqm"][0] for e, v in s["table"]["sync"].items()}
-    assert max(n1.values()) - min(n1.values()) < 1e-9
-    again = rs.run(rs.Config(results=str(tmp_path / "sweeps"), n_boot=100), progress=False)
-    pd.testing.assert_frame_equal(again.results, res.results)
-    assert again.summary["setup"]["source"].startswith("the sweeps in")
-    with pytest.raises(LabError, match="does not exist"):
-        rs.Config(results=str(tmp_path / "nothing")).validate()
 
 
 @pytest.mark.parametrize("text, words", [

@@ -65,7 +65,8 @@ def test_expand_is_the_grid_product_in_spec_order_with_unique_ids():
 
 def test_load_spec_reads_yaml_and_the_example_spec_is_valid(tmp_path):
     path = tmp_path / "s.yaml"
-    path.write_text("name: s\nbase: {estimator: ppo_clip, lr: 1e-2}\ngrid:\n  seed: [0, 1]\n  hyper: [{}, {clip_ratio_low: 0.1}]\n")
+    path.write_text("name: s\nbase: {estimator: ppo_clip, lr: 1e-2}\ngrid:\n  seed: [0, 1]\n"
+                    "  hyper: [{}, {clip_ratio_low: 0.1}]\n")
     spec = load_spec(path)
     assert spec.name == "s" and spec.grid == {"seed": [0, 1], "hyper": [{}, {"clip_ratio_low": 0.1}]}
     assert expand(spec)[0]["lr"] == 0.01  # YAML reads 1e-2 as a string; a float field makes it a float
@@ -273,39 +274,3 @@ def test_a_cell_that_fails_at_run_time_does_not_stop_the_others(tmp_path):
     with pytest.raises(LabError, match=r"1 of 2 sweep cells failed \(first: cell 1, eta=0: .*raise eta.*rerun"):
         run_sweep(spec, tmp_path / "f", workers=2)
     assert len(load_results(tmp_path / "f")[1]) == 1
-
-
-# ------------------------------------------------------------------------------------------ staleness_training
-def test_staleness_study_resumes_from_its_sweep_dir_and_aggregates_the_cells(tmp_path, reference):
-    import shutil
-
-    from lab import stats
-    from lab.studies import staleness_training as st
-
-    out, _, runs = reference
-    shutil.copytree(out, tmp_path / "sync")  # SPEC is the study's sync sweep for this config: every cell is done
-    cells = {p: p.stat().st_mtime_ns for p in (tmp_path / "sync" / "cells").rglob("*")}
-    cfg = st.Config(env=TINY["env"], steps=SPEC.base["steps"], rollout_batch=TINY["rollout_batch"],
-                    group_size=TINY["group_size"], lr=0.1, estimators=["reinforce", "ppo_clip"], minibatches=[1, 4],
-                    seeds=[0, 1], etas=[], noise_levels=[], n_boot=50, sweep_dir=str(tmp_path))
-    results, summary = st.run(cfg)
-    assert {p: p.stat().st_mtime_ns for p in (tmp_path / "sync" / "cells").rglob("*")} == cells  # nothing re-ran
-    assert summary["runs"] == {"sync": 8} and set(results["study"]) == {"sync"}
-    for (e, n), cell in runs.groupby(["estimator", "minibatches"]):
-        want = stats.iqm(cell["final_reward"].to_numpy())
-        assert summary["table"]["sync"][e][str(n)]["final_reward_iqm"][0] == pytest.approx(want)
-
-
-def test_staleness_study_without_a_sweep_dir_leaves_no_folder(tmp_path, monkeypatch):
-    import tempfile
-
-    from lab.studies import staleness_training as st
-
-    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
-    cfg = st.Config(**dict(TINY, steps=1), estimators=["reinforce"], baseline=None, minibatches=[], seeds=[0],
-                    etas=[0], noise_levels=[], n_boot=20, workers=1)
-    results, summary = st.run(cfg)
-    assert summary["runs"] == {"async": 1} and list(tmp_path.iterdir()) == []
-    assert set(results["metric"]) == {"final_reward_iqm", "final_reward_median", "collapse_rate"}
-    with pytest.raises(LabError, match="baseline 'ppo_clip' is not among the estimators"):
-        st.Config(estimators=["reinforce"]).validate()

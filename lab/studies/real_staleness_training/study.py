@@ -3,7 +3,7 @@ task, each correction trained under three kinds of staleness, aggregated over se
 
 Three sweeps of the training simulator (``lab.engine.training`` with ``policy="transformer"``), each a
 ``lab.engine.sweep.SweepSpec`` over estimator x setting x seed (``Config.specs``; the full table's specs are
-``sweeps/real_staleness_{sync,async,mismatch}.yaml``):
+``lab/studies/real_staleness_training/sweeps/real_staleness_{sync,async,mismatch}.yaml``):
 
 - ``sync``: every rollout of ``rollout_batch`` responses is split into N = ``minibatches`` mini-batches, one Adam step
   each, so mini-batch j is j updates stale (VESPO's N; N = 1 is on-policy). The number of rollouts is fixed, so a
@@ -13,13 +13,14 @@ Three sweeps of the training simulator (``lab.engine.training`` with ``policy="t
 - ``mismatch``: the sampler a real inference engine that differs from the trainer: the weights in bfloat16 (KV cache)
   on a mixture-of-experts model (``mismatch_size``), with and without the trainer replaying the sampler's expert
   routes, on top of a modest staleness (N = ``mismatch_minibatches``, 4) as in a real pipeline; the estimators that
-  take the sampler's log-probs (TIS, MIS, VESPO) receive them. Setting labels: the sampler's dtype, "+replay" when routes are replayed.
+  take the sampler's log-probs (TIS, MIS, VESPO) receive them. Setting labels: the sampler's dtype, "+replay" when
+  routes are replayed.
 
 Score: the final exact accuracy on the task's HELD-OUT prompts, mean_x pi(a*(x) | x) (teacher-forced, no sampling
 noise), as the paper scores held-out benchmarks. Per estimator x setting, over seeds: its interquartile mean (IQM)
 with a stratified-bootstrap interval, the collapse rate (``lab.engine.training``'s rule, revisited for tasks: the run
 lost half of its best training accuracy, or became near-deterministic below half accuracy) with a Wilson interval,
-and the probability of improvement over a baseline estimator (``lab.studies.staleness_training``'s aggregation;
+and the probability of improvement over a baseline estimator (``lab.studies.staleness_training.aggregate``;
 rliable's statistics, Agarwal et al. 2021).
 
 How the default setting was chosen (chain6: 6-step running sums, T = 6 answer tokens, 128 training prompts, the
@@ -31,82 +32,89 @@ corrected or not, lost most of its accuracy by N = 16 (nothing left to separate)
 above its start at N = 64. One learning rate for every estimator: nothing is tuned per estimator.
 
 The paper's counterpart (VESPO, Shen et al., arXiv 2602.10693, Qwen3-30B-A3B, average accuracy at N = 4/8/16/32/64):
-``lab.studies.staleness_training.PAPER``.
+``lab.studies.staleness_training.paper``.
 """
 from __future__ import annotations
 
 import math
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Literal
 
 import pandas as pd
 
 import toy_envs
 from lab import estimators as registry
-from lab.engine.sweep import SweepSpec, load_results, run_sweep
+from lab.configs import SEED_MAX, check_types
+from lab.engine.sweep import EXECUTORS, SweepSpec, load_results, run_sweep
+from lab.engine.training import OVER_STALE, SAMPLER_DTYPES
 from lab.errors import LabError
 from lab.policies.transformer import parameter_count, size_config
 from lab.studies import StudyResult
-from lab.studies import staleness_training as st
+from lab.studies.staleness_training import aggregate as agg
+from lab.studies.staleness_training.paper import PAPER, PAPER_N, paper_comparison
+from lab.studies.staleness_training.study import Curve, PaperComparison, validate_sweeps
+from lab.typed import build, knob
 
 SCORE, LABEL = "final_heldout_accuracy", "final_accuracy"
 STUDIES = ("sync", "async", "mismatch")
+SWEEPS = Path(__file__).parent / "sweeps"  # the full table's specs
 
 
 @dataclass
 class Config:
     """The real_staleness_training report. The defaults are its small gallery version (minutes on 2 cores); the full
-    table is the sweeps ``sweeps/real_staleness_*.yaml`` read back with ``results``."""
+    table is the sweeps in ``sweeps/`` beside this file, read back with ``results``."""
 
     env: str = "chain6"
     """task env (see `lab envs`): a target-reward task"""
     size: str = "small"
     """transformer size of the sync and async studies"""
-    warm_start: float = 0.3
+    warm_start: float = knob(0.3, ge=0, lt=1)
     """supervised warm start: exact-match accuracy on the training prompts (`lab pretrain`)"""
-    estimators: list = field(default_factory=lambda: ["reinforce", "ppo_clip", "gspo", "vespo", "seq_is"])
-    """estimators to train with (REINFORCE is the uncorrected one)"""
+    estimators: list[str] = knob(["reinforce", "ppo_clip", "gspo", "vespo", "seq_is"])
+    """estimators to train with, one run per estimator, setting and seed (REINFORCE is the uncorrected one)"""
     baseline: str | None = "ppo_clip"
-    """probability of improvement is measured against this estimator (None: not measured)"""
-    minibatches: list = field(default_factory=lambda: [1, 4, 16, 64])
+    """probability of improvement is measured against this estimator (GRPO's PPO-clip loss; none: not measured)"""
+    minibatches: list[int] = knob([1, 4, 16, 64], ge=1, le=100_000)
     """sync study: N mini-batches per rollout ([] skips it)"""
-    seeds: list = field(default_factory=lambda: [0, 1, 2])
-    """seeds per cell"""
-    steps: int = 6
+    seeds: list[int] = knob([0, 1, 2], ge=0, le=SEED_MAX)
+    """seeds per cell; intervals are over seeds"""
+    steps: int = knob(6, ge=1, le=1_000_000)
     """rollouts per run"""
-    rollout_batch: int = 256
+    rollout_batch: int = knob(256, ge=1, le=1_000_000)
     """responses per rollout"""
-    group_size: int = 4
-    """responses per prompt"""
-    lr: float = 5e-4
+    group_size: int = knob(4, ge=1, le=4096)
+    """responses per prompt (group advantages)"""
+    lr: float = knob(5e-4, gt=0, le=1e3)
     """Adam learning rate"""
-    async_minibatches: int = 4
+    async_minibatches: int = knob(4, ge=1, le=100_000)
     """async study: N during consumption"""
-    lag_max: int = 8
+    lag_max: int = knob(8, ge=0, le=10_000)
     """async study: lags drawn uniformly on 0..lag_max"""
-    over_stale: str = "drop"
-    """async study: drop | requeue | keep groups older than eta (drop: redrawn until the rollout is full)"""
-    etas: list = field(default_factory=lambda: [0, 8])
+    over_stale: Literal[OVER_STALE] = "drop"
+    """async study: what happens to groups older than eta (drop: redrawn until the rollout is full)"""
+    etas: list[int] = knob([0, 8], ge=0, le=10_000)
     """async study: staleness bounds ([] skips it)"""
     mismatch_size: str = "test_moe"
     """mismatch study: a mixture-of-experts size (routes to replay)"""
-    mismatch_minibatches: int = 4
+    mismatch_minibatches: int = knob(4, ge=1, le=100_000)
     """mismatch study: N, so that a mismatched sampler adds to a modest staleness as in a real pipeline"""
-    sampler_dtypes: list = field(default_factory=lambda: ["float32", "bfloat16"])
+    sampler_dtypes: list[Literal[tuple(SAMPLER_DTYPES)]] = knob(["float32", "bfloat16"])
     """mismatch study: the sampler's dtypes ([] skips it)"""
-    replay: list = field(default_factory=lambda: [False, True])
+    replay: list[bool] = knob([False, True])
     """mismatch study: whether the trainer replays the sampler's expert routes"""
     device: str = "cpu"
-    """cpu | cuda"""
-    n_boot: int = 2000
+    """where the transformer trains: cpu | cuda"""
+    n_boot: int = knob(2000, ge=10, le=1_000_000)
     """bootstrap resamples of every interval"""
-    executor: str = "local"
-    """local process pool | ray (the same numbers)"""
-    workers: int | None = None
-    """parallel cells (None: every core)"""
+    executor: Literal[EXECUTORS] = "local"
+    """where the cells run: a local process pool or Ray (the same numbers)"""
+    workers: int | None = knob(None, ge=1, le=4096)
+    """parallel cells (none: every core)"""
     sweep_dir: str | None = None
-    """keep the sweeps' cells here (subfolders sync, async, mismatch) and resume from them (None: a temporary
+    """keep the sweeps' cells here (subfolders sync, async, mismatch) and resume from them (none: a temporary
     folder)"""
     results: str | None = None
     """aggregate the finished sweeps in this folder (subfolders sync, async, mismatch, e.g. of the full table's
@@ -136,12 +144,88 @@ class Config:
         return specs
 
     def validate(self) -> None:
+        check_types(self)
         if self.results is not None:
             if not Path(self.results).is_dir():
                 raise LabError(f"results folder {self.results} does not exist; run the sweeps into it first "
-                               f"(see sweeps/real_staleness_*.yaml)")
+                               "(lab sweep lab/studies/real_staleness_training/sweeps/real_staleness_sync.yaml "
+                               "--out DIR/sync, and the same for async and mismatch)")
             return
-        st.validate_sweeps(self, "minibatches, etas or sampler_dtypes")
+        validate_sweeps(self, "minibatches, etas or sampler_dtypes")
+
+
+SMOKE = {"env": "chain3", "size": "test", "estimators": ["reinforce", "ppo_clip", "vespo"], "minibatches": [1, 4],
+         "seeds": [0, 1], "steps": 2, "rollout_batch": 32, "group_size": 4, "etas": [0, 2],
+         "sampler_dtypes": ["bfloat16"], "replay": [False, True], "n_boot": 200}  # what the tests build
+
+
+# ---- the summary's shape --------------------------------------------------------------------------------------------
+
+@dataclass
+class Cell:
+    """One estimator at one setting, over seeds: [value, lo, hi] each."""
+
+    final_accuracy_iqm: list[float]  # IQM of the final exact held-out accuracy, stratified-bootstrap interval
+    collapse_rate: list[float]  # share of seeds whose run collapsed, Wilson interval
+
+
+@dataclass
+class Ordering:
+    """A pair of the paper's methods in its order at N = 64, compared at the miniature's largest N."""
+
+    better: str  # the paper's higher
+    worse: str
+    paper: list[float]  # the paper's accuracies at N = 64 (fractions)
+    miniature: list[float]  # the IQMs here
+    n: float  # the miniature's largest N
+    intervals: list[list[float]]  # [[lo, hi] of better, [lo, hi] of worse]
+    verdict: str  # reproduced | reversed | not separated
+
+
+@dataclass
+class Degradation:
+    """One estimator of the sync study from its smallest to its largest N."""
+
+    n_low: float
+    n_high: float
+    low: list[float]  # IQM [value, lo, hi] at n_low
+    high: list[float]  # ... at n_high
+    degrades: bool  # the n_high interval lies wholly below the n_low one
+    final_kl_to_init_median: float | None = None  # median over seeds of the final KL to the warm start at n_high
+
+
+@dataclass
+class Setup:
+    """The run's shape as the text reports it."""
+
+    env: str
+    task: str
+    length: int
+    n_prompts: int
+    n_heldout: int
+    size: str
+    parameters: int
+    seeds: int | None
+    initial_heldout_accuracy: float
+    updates: dict[str, list[int]]  # per study: the numbers of updates its runs made
+    runs: dict[str, int]
+    source: str  # the report's own sweeps or a results folder
+
+
+@dataclass
+class Summary:
+    study: str
+    score: str  # the runs column scored
+    baseline: str | None
+    table: dict[str, dict[str, dict[str, Cell]]]  # study -> estimator -> setting key -> Cell
+    setup: Setup
+    paper_comparison: PaperComparison | None
+    orderings: list[Ordering]
+    degradation: dict[str, Degradation]
+    poi_all: dict[str, dict[str, list[float]]]
+    mismatch_aware: list[str]
+    mismatch_size: dict[str, float] | None = None  # mismatch study: mean |log pi_old - log mu| per token, per setting
+    curves: dict[str, dict[str, Curve]] | None = None  # sync study: training accuracy J after each rollout
 
 
 # ---- sweeps ---------------------------------------------------------------------------------------------------------
@@ -204,18 +288,18 @@ def summarise(sweeps: dict, baseline: str | None, n_boot: int) -> pd.DataFrame:
     parts = []
     for study, (_, runs) in sweeps.items():
         ests = set(runs["estimator"])
-        t = st.summarise(runs, SETTINGS[study], baseline if baseline in ests else None, n_boot, score=SCORE,
+        t = agg.summarise(runs, SETTINGS[study], baseline if baseline in ests else None, n_boot, score=SCORE,
                          label=LABEL)
         t.insert(0, "study", study)
         parts.append(t)
     table = pd.concat(parts, ignore_index=True)
-    table["x"] = [None if isinstance(x, float) and math.isnan(x) else st.setting_key(x) for x in table["x"]]
+    table["x"] = [None if isinstance(x, float) and math.isnan(x) else agg.setting_key(x) for x in table["x"]]
     table["baseline"] = table["baseline"].astype(object).where(table["baseline"].notna(), None)
     return table
 
 
 def _numeric(table: pd.DataFrame) -> pd.DataFrame:
-    """The sync rows with x as a number (for ``staleness_training.paper_comparison``)."""
+    """The sync rows with x as a number (for ``staleness_training.paper.paper_comparison``)."""
     t = table[table["study"] == "sync"].copy()
     t["x"] = t["x"].astype(float)
     return t
@@ -230,7 +314,7 @@ def orderings(table: pd.DataFrame) -> list[dict]:
         return []
     n_high = max(t["x"].astype(float))
     at = t[t["x"].astype(float) == n_high].set_index("estimator")
-    paper_at = {e: dict(zip(st.PAPER_N, v))[64] for e, v in st.PAPER.items()}
+    paper_at = {e: dict(zip(PAPER_N, v))[64] for e, v in PAPER.items()}
     out = []
     ranked = sorted(paper_at, key=lambda e: -paper_at[e])
     for i, a in enumerate(ranked):
@@ -285,27 +369,27 @@ def setup(cfg: Config, sweeps: dict) -> dict:
             "source": f"the sweeps in {cfg.results}" if cfg.results else "the report's own small default sweeps"}
 
 
-def build_summary(cfg: Config, table: pd.DataFrame, sweeps: dict) -> dict:
-    out = {"study": "real_staleness_training", "score": SCORE, "baseline": cfg.baseline,
-           "table": st.summary_table(table, LABEL), "setup": setup(cfg, sweeps),
-           "paper_comparison": st.paper_comparison(_numeric(table), LABEL) if "sync" in sweeps else {},
-           "orderings": orderings(table),
-           "degradation": degradation(table, sweeps["sync"][1] if "sync" in sweeps else None),
-           "poi_all": st.poi_all(table),
-           "mismatch_aware": [e for e in dict.fromkeys(table["estimator"])
-                              if "rollout_log_probs" in registry.info(e).optional_inputs]}
+def build_summary(cfg: Config, table: pd.DataFrame, sweeps: dict) -> Summary:
+    data = {"study": "real_staleness_training", "score": SCORE, "baseline": cfg.baseline,
+            "table": agg.summary_table(table, LABEL), "setup": setup(cfg, sweeps),
+            "paper_comparison": paper_comparison(_numeric(table), LABEL) if "sync" in sweeps else None,
+            "orderings": orderings(table),
+            "degradation": degradation(table, sweeps["sync"][1] if "sync" in sweeps else None),
+            "poi_all": agg.poi_all(table),
+            "mismatch_aware": [e for e in dict.fromkeys(table["estimator"])
+                               if "rollout_log_probs" in registry.info(e).optional_inputs]}
     if "mismatch" in sweeps:  # how far the trainer's pi_old is from the sampler, per setting, over every update
         steps = sweeps["mismatch"][0]
-        out["mismatch_size"] = {str(k): float(v) for k, v in steps.groupby("sampler")["mismatch_abs_logprob"].mean()
-                                .items()}
+        data["mismatch_size"] = {str(k): float(v) for k, v in
+                                 steps.groupby("sampler")["mismatch_abs_logprob"].mean().items()}
     if "sync" in sweeps:
-        out["curves"] = st.curves(sweeps["sync"][0], "minibatches")  # training accuracy J after each rollout
-    return out
+        data["curves"] = agg.curves(sweeps["sync"][0], "minibatches")  # training accuracy J after each rollout
+    return build(Summary, data)
 
 
 def aggregate(cfg: Config, sweeps: dict) -> StudyResult:
     table = summarise(sweeps, cfg.baseline, cfg.n_boot)
-    return StudyResult(table, build_summary(cfg, table, sweeps))
+    return StudyResult(table, asdict(build_summary(cfg, table, sweeps)))
 
 
 def run(cfg: Config, progress: bool | None = None) -> StudyResult:
