@@ -110,3 +110,37 @@ def test_markov_sampling_reads_rows_and_draws_the_same_tokens(behaviour, monkeyp
     slow = sample(mu[0], mu[1].float(), env, prompts, torch.Generator().manual_seed(5), dtype=torch.float32)
     for a, b in zip(fast, slow):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("reward,eos", [("dense", True), ("parity", False), ("target", True)])
+def test_uncorrected_reinforce_on_mu_samples_equals_enumeration(reward, eos):
+    env, policy, theta, mu = _world(reward, eos, 3, 5, 4)
+    s_mu = exact_support(env, *mu, 10**6)
+    by_enum = expected_gradient(env, policy, theta, mu, s_mu, Estimator.resolve("reinforce", {}, "seq-mean-token-sum"))
+    by_dp = dp.expected_token_gradient(env, policy, theta, mu, weighted=False).reshape(-1)
+    assert torch.allclose(by_dp, by_enum, atol=1e-12, rtol=0) and by_enum.norm() > 1e-4
+
+
+def test_a_leave_one_out_baseline_moves_reinforce_off_policy_and_not_token_is():
+    """Sampled means with rloo advantages (groups of 4, 20000 groups) against the DP's expectations with the
+    per-prompt baseline E_mu[R | x]: z-tests along the exact vectors."""
+    from lab import advantages
+    from lab.engine.batches import draw_batches
+    from lab.engine.gradients import replicate_gradients
+
+    env, policy, theta, mu = _world("dense", False, 3, 6, 5)
+    batch = draw_batches(env, (mu[0], mu[1].float()), 400, 200, 4, torch.Generator().manual_seed(0))
+    adv = advantages.group_advantages(batch.rewards.reshape(400, 50, 4), "rloo").reshape(400, 200)[..., None]
+    for name, weighted in (("reinforce", False), ("token_is", True)):
+        est = Estimator.resolve(name, {}, "seq-mean-token-sum")
+        grads, _ = replicate_gradients(policy, theta.float(), batch, adv * batch.mask, est)
+        with_b = dp.expected_token_gradient(env, policy, theta, mu, weighted, baseline=True).reshape(-1)
+        without = dp.expected_token_gradient(env, policy, theta, mu, weighted).reshape(-1)
+        u = with_b / with_b.norm()
+        proj = grads.double() @ u
+        z = (proj.mean() - with_b @ u) / (proj.std() / 400**0.5)
+        assert abs(float(z)) < 3.5, (name, float(z))
+        if weighted:
+            assert torch.allclose(with_b, without, atol=1e-12)
+        else:
+            assert (with_b - without).norm() > 0.1 * with_b.norm()

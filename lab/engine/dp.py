@@ -18,7 +18,10 @@ The quantities computed this way:
   the gradient of sum_t sum_{a,y} C_t(a, y) pi'(y | a) at pi' = pi, where
   C_t(a, y) = sum_k beta_t(a, k) + alpha_t(a, k) (r_t(y) + v_t(y, next_t(k, y))); on the logits it is
   pi(y|a) (C_t(a, y) - sum_y' pi(y'|a) C_t(a, y')), pulled back to theta in one backward pass;
-- ``policy_gradient``: grad J, the same at mu = pi (on-policy, token IS is REINFORCE);
+- ``expected_token_gradient``: the same with weights 1 instead of rho_t (uncorrected REINFORCE on mu's samples, pulled
+  back with mu's probabilities), optionally with the per-prompt baseline E_mu[R | x] that a leave-one-out advantage
+  subtracts in expectation;
+- ``policy_gradient``: grad J, the token-IS gradient at mu = pi (on-policy, token IS is REINFORCE);
 - ``weight_moments``: under mu, with L = sum_t m_t log(pi/mu)(y_t) and W = exp(L): E_mu[W^2] = sum_y pi(y)^2 / mu(y)
   (the recursion with weights pi^2 / mu, renormalised every step so that log E_mu[W^2] stays finite at any T),
   E_mu[L] and E_mu[L^2] (moments of an additive functional: m1' = sum (m1 + d m0) q,
@@ -132,24 +135,24 @@ def _step(x: torch.Tensor, q: torch.Tensor, nxt: torch.Tensor, K: int) -> torch.
 
 def _forward(q: torch.Tensor, chain: RewardChain, eos: bool):
     """Under the transitions q [P, T, A, Y]: alpha [T, P, A, K] (mass of each state before position t), beta (its
-    expected past reward), and J = E[R] (mean over prompts)."""
+    expected past reward), and E[R | x] per prompt [P]."""
     P, T, V, K = q.shape[0], q.shape[1], q.shape[2], chain.K
     m0 = torch.zeros(P, V, K, dtype=torch.float64)
     m0[torch.arange(P), 0, chain.start] = 1.0  # before position 0: the BOS row (index 0), the start state
     m1 = torch.zeros_like(m0)
     alpha, beta = torch.empty(T, P, V, K, dtype=torch.float64), torch.empty(T, P, V, K, dtype=torch.float64)
-    ended = 0.0
+    ended = torch.zeros(P, dtype=torch.float64)
     for t in range(T):
         alpha[t], beta[t] = m0, m1
         nxt = chain.next[:, t]
         n0 = _step(m0, q[:, t], nxt, K)
         n1 = _step(m1, q[:, t], nxt, K) + _step(m0, q[:, t] * chain.step[:, t, None, :], nxt, K)
         if eos:  # token 0 ends the response: its mass leaves with the terminal reward
-            ended += float((n1[:, 0] + n0[:, 0] * chain.final).sum())
+            ended = ended + (n1[:, 0] + n0[:, 0] * chain.final).sum(-1)
             n0[:, 0] = 0.0
             n1[:, 0] = 0.0
         m0, m1 = n0, n1
-    return alpha, beta, (ended + float((m1 + m0 * chain.final).sum())) / P
+    return alpha, beta, (ended + (m1 + m0 * chain.final).sum((1, 2)))
 
 
 def _after(q: torch.Tensor, chain: RewardChain, eos: bool) -> torch.Tensor:
@@ -182,13 +185,15 @@ def _coefficients(alpha, beta, after, chain: RewardChain) -> torch.Tensor:
     return C.permute(1, 0, 2, 3)
 
 
-def _pullback(policy, theta, env, coef: torch.Tensor) -> torch.Tensor:
-    """grad_theta of sum_{p,t,a,y} coef pi_theta(y | a) / P: on the logits, pi (coef - sum_y pi coef); then through
-    the probe logits to theta (one backward pass)."""
+def _pullback(policy, theta, env, coef: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
+    """grad_theta of sum_{p,t,a,y} coef w(y | a) log pi_theta(y | a) / P with w = pi (``weights`` None: the gradient
+    of sum coef pi_theta) or given weights (mu): on the logits, w coef - pi sum_y w coef; then through the probe
+    logits to theta (one backward pass)."""
     theta = theta.detach().double().requires_grad_(True)
     logq = log_transitions(policy, theta, env)
     pi = logq.detach().exp()
-    g_logits = pi * (coef - (pi * coef).sum(-1, keepdim=True)) / env.n_prompts
+    wc = (pi if weights is None else weights) * coef
+    g_logits = (wc - pi * wc.sum(-1, keepdim=True)) / env.n_prompts
     # g_logits sums to 0 over y, so pulling it back through the log-softmax is pulling it back through the logits
     (g,) = torch.autograd.grad((g_logits * logq).sum(), theta)
     return g
@@ -198,7 +203,7 @@ def objective(env, policy, theta) -> float:
     """J(theta) = E_x E_pi[R] (float64)."""
     with torch.no_grad():
         q = log_transitions(policy, theta, env).exp()
-    return _forward(q, reward_chain(env), env.eos)[2]
+    return float(_forward(q, reward_chain(env), env.eos)[2].mean())
 
 
 def policy_gradient(env, policy, theta) -> torch.Tensor:
@@ -265,11 +270,23 @@ def weight_moments(pi: tuple, mu: tuple, env) -> dict:
 
 def token_is_gradient(env, policy, theta_pi, mu: tuple) -> torch.Tensor:
     """E_mu[R sum_t rho_t grad log pi(y_t | s_t)] (shape of theta), float64: the expected token-IS gradient with
-    advantage R, averaged over prompts (module docstring): alpha, beta and the future reward under mu, then the
-    gradient of sum C pi' at pi' = pi."""
+    advantage R, averaged over prompts (module docstring)."""
+    return expected_token_gradient(env, policy, theta_pi, mu, weighted=True)
+
+
+def expected_token_gradient(env, policy, theta_pi, mu: tuple, weighted: bool = True,
+                            baseline: bool = False) -> torch.Tensor:
+    """E_mu[A sum_t w_t grad log pi(y_t | s_t)] with w_t = rho_t (``weighted``: token-level IS) or 1 (uncorrected
+    REINFORCE on mu's samples), A = R, or with ``baseline`` A = R - E_mu[R | x] (what a leave-one-out baseline
+    gives in expectation: the other responses of the group are independent of this one), averaged over prompts:
+    alpha, beta and the future reward under mu (module docstring), then C pulled back with weights pi (token IS: the
+    gradient of sum C pi') or mu. A baseline b_x shifts C_t(a, y) by -b_x sum_k alpha_t(a, k); token IS is blind to
+    it (sum_y grad pi = 0)."""
     chain = reward_chain(env)
     with torch.no_grad():
         qm = log_transitions(mu[0], mu[1], env).exp()
-        alpha, beta, _ = _forward(qm, chain, env.eos)
+        alpha, beta, value = _forward(qm, chain, env.eos)
         coef = _coefficients(alpha, beta, _after(qm, chain, env.eos), chain)
-    return _pullback(policy, theta_pi, env, coef)
+        if baseline:
+            coef = coef - value[:, None, None, None] * alpha.sum(-1).permute(1, 0, 2)[..., None]
+    return _pullback(policy, theta_pi, env, coef, None if weighted else qm)
