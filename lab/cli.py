@@ -20,14 +20,19 @@ class _Parser(argparse.ArgumentParser):
         raise LabError(f"{message} (see `{self.prog} --help`)")
 
 
+def _count(n: int) -> str:
+    """A count with thousands separators, or its power of ten when it has more than 12 digits."""
+    return f"{n:,}" if n < 10**12 else f"~1e{len(str(n)) - 1}"
+
+
 def cmd_envs(args) -> int:
     import toy_envs
 
-    print(f"{'name':<18}{'prompts':>8}{'V':>4}{'T':>4}  {'reward':<10}{'eos':<6}{'pairs':>12}  description")
+    print(f"{'name':<18}{'prompts':>8}{'V':>4}{'T':>5}  {'reward':<10}{'eos':<6}{'pairs':>12}  description")
     for name in toy_envs.names():
         e = toy_envs.make(name)
-        print(f"{name:<18}{e.n_prompts:>8}{e.vocab_size:>4}{e.length:>4}  {e.reward:<10}{str(e.eos):<6}"
-              f"{e.num_pairs:>12,}  {e.description}")
+        print(f"{name:<18}{e.n_prompts:>8}{e.vocab_size:>4}{e.length:>5}  {e.reward:<10}{str(e.eos):<6}"
+              f"{_count(e.num_pairs):>12}  {e.description}")
     return 0
 
 

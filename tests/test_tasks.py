@@ -10,7 +10,7 @@ from toy_envs import bandits, tasks
 from toy_envs.tasks import TOKENIZER
 
 BANDITS = ["tiny_target", "tiny_parity", "small_dense", "small_bernoulli", "small_eos", "medium_target",
-           "large_parity", "large_dense"]
+           "large_parity", "large_dense", "long_dense", "long_parity", "long_eos"]
 
 
 def test_tokenizer_round_trip():

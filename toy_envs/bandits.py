@@ -9,6 +9,11 @@ Reward families (``reward=``):
 - ``dense``: sum over real tokens of a per-(prompt, position, token) table, scaled to [-1, 1] in total.
 - ``bernoulli``: success probability sigmoid(score) with a dense score table; the sampled reward is a
   Bernoulli draw, the exact objective uses the probability (noisy reward).
+
+The ``long_*`` presets (T = 1024 by default, any length with ``length=``) are the Markov bandit family: far beyond
+enumeration, but with the ``markov`` policy (next token given position and previous token) and a reward that a
+finite state accumulates (target, parity, dense) every exact quantity comes from dynamic programming over
+positions (``lab.engine.dp``).
 """
 from __future__ import annotations
 
@@ -155,6 +160,13 @@ _PRESETS = {
         SequenceBandit("medium_target", 4, 8, 5, "target", description="4 prompts, V=8, T=5: 131,072 pairs, exact-match reward"),
         SequenceBandit("large_parity", 4, 4, 10, "parity", description="4 prompts, V=4, T=10: 4.2M pairs, beyond the default enumeration limit (Monte Carlo mode)"),
         SequenceBandit("large_dense", 4, 4, 9, "dense", description="4 prompts, V=4, T=9: 1,048,576 pairs, at the enumeration limit"),
+        SequenceBandit("long_dense", 2, 4, 1024, "dense",
+                       description="2 prompts, V=4, T=1024 (any length): per-position reward, exact by DP (markov)"),
+        SequenceBandit("long_parity", 2, 4, 1024, "parity",
+                       description="2 prompts, V=4, T=1024 (any length): parity verifier, exact by DP (markov)"),
+        SequenceBandit("long_eos", 2, 4, 1024, "dense", eos=True,
+                       description="2 prompts, V=4, T<=1024 with an end token: per-position reward, exact by DP "
+                                   "(markov)"),
     ]
 }
 
