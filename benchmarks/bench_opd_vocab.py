@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Benchmark: the cost of the on-policy distillation estimators against vocabulary size.
 
-    .venv/bin/python benchmarks/bench_opd_vocab.py               # V = 256 .. 32768, B x T = 8 x 256 (2-4 min, 2 busy cores)
+    .venv/bin/python benchmarks/bench_opd_vocab.py    # V = 256 .. 32768, B x T = 8 x 256 (2-4 min, 2 busy cores)
     .venv/bin/python benchmarks/bench_opd_vocab.py --threads 1   # the same, steadier on a shared machine
     .venv/bin/python benchmarks/bench_opd_vocab.py --quick       # smoke test (a few seconds); exit 1 on a failed check
     .venv/bin/python benchmarks/bench_opd_vocab.py --json out.json --vocab 1024 8192 --k 100
@@ -55,7 +55,8 @@ def parse(argv=None):
     p.add_argument("--vocab", type=int, nargs="+", help=f"vocabulary sizes (default {' '.join(map(str, FULL_VOCABS))})")
     p.add_argument("--batch", type=int, help="B sequences per batch (default 8; quick 4)")
     p.add_argument("--seq", type=int, help="T tokens per sequence (default 256; quick 64)")
-    p.add_argument("--k", type=int, default=100, help="top-k size for vopd_topk and kl_topk (default 100, the release's)")
+    p.add_argument("--k", type=int, default=100,
+                   help="top-k size for vopd_topk and kl_topk (default 100, the release's)")
     p.add_argument("--repeats", type=int, help="timed calls per cell after one warm-up (default 5; quick 3)")
     p.add_argument("--threads", type=int, help="torch threads (default: torch's; quick: 1)")
     p.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")

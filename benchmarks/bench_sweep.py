@@ -85,7 +85,8 @@ def main(argv=None) -> int:
         for executor in ("local", "ray"):
             for workers in (1, 2):
                 total, steady, steps = timed_sweep(spec, executor, workers, Path(tmp))
-                rows.append({"executor": executor, "workers": workers, "total_s": total, "cells_per_min": n / total * 60,
+                rows.append({"executor": executor, "workers": workers, "total_s": total,
+                             "cells_per_min": n / total * 60,
                              "steady_cells_per_min": steady, "vs_serial": base_s / total,
                              "identical": same(steps, tables)})
     print(f"{'executor':<9}{'workers':>8}{'total s':>9}{'cells/min':>11}{'steady/min':>12}{'vs serial':>11}"

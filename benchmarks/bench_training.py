@@ -8,10 +8,11 @@
 
 Each timing is one ``lab.engine.training.train`` run (sync, rollout batch 64, group size 8, N = 4 mini-batches, so
 ``steps * 4`` optimiser updates) after a one-rollout warm-up run per estimator; estimators are timed round-robin,
-``--repeats`` rounds, and the median is reported as updates per second. Every update includes sampling (once per rollout), the estimator's loss and backward pass, the
-Adam step, the sampled weight diagnostics and the exact metrics (J, KL to init, entropy by enumerating every
-response: 131,072 pairs on medium_target), so the ratio to REINFORCE measured in the same process shows what an
-estimator adds to a whole simulated training step, not to its loss alone. Read ratios, not absolute times.
+``--repeats`` rounds, and the median is reported as updates per second. Every update includes sampling (once per
+rollout), the estimator's loss and backward pass, the Adam step, the sampled weight diagnostics and the exact metrics
+(J, KL to init, entropy by enumerating every response: 131,072 pairs on medium_target), so the ratio to REINFORCE
+measured in the same process shows what an estimator adds to a whole simulated training step, not to its loss alone.
+Read ratios, not absolute times.
 """
 from __future__ import annotations
 

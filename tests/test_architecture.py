@@ -131,7 +131,8 @@ def test_each_study_folder_has_the_one_shape(name):
     assert study.reports and all(r.name.startswith(name) for r in study.reports)
     assert all((study.folder / f"{r.name}.ipynb").exists() for r in study.reports)
     assert list((study.folder / "tests").glob("test_*.py")), f"{name}: no tests in its folder"
-    assert not (ROOT / "notebooks" / f"{name}.ipynb").exists() and not (ROOT / "lab" / "reports" / f"{name}.py").exists()
+    assert not (ROOT / "notebooks" / f"{name}.ipynb").exists()
+    assert not (ROOT / "lab" / "reports" / f"{name}.py").exists()
 
 
 def test_no_module_outside_a_study_lists_it():

@@ -182,7 +182,8 @@ def slime_sample_to_dict(group_index, index, tokens, response_length, reward, lo
                          rollout_log_probs) -> dict:
     """Sample.to_dict(): the dataclass's __dict__ with status, spec_info and prefix_cache_info made plain."""
     return {"group_index": group_index, "index": index, "prompt": "Solve: 2 + 2 = ?", "tokens": tokens,
-            "multimodal_inputs": None, "multimodal_train_inputs": None, "response": "4", "response_length": response_length,
+            "multimodal_inputs": None, "multimodal_train_inputs": None, "response": "4",
+            "response_length": response_length,
             "label": "4", "reward": reward, "loss_mask": loss_mask, "weight_versions": weight_versions,
             "rollout_log_probs": rollout_log_probs, "rollout_routed_experts": None, "remove_sample": False,
             "teacher_log_probs": None, "mopd_teacher_log_probs": None, "status": "completed", "metadata": {},
@@ -214,9 +215,11 @@ def write_slime_dump(root: Path, rid: int, rng, legacy: bool = False, n_groups: 
             versions = ["default"] if rid == 0 else [str(rid - 1)] if j == 0 else [str(rid - 1), str(rid)]
             samples.append(slime_sample_to_dict(g, idx, tokens, R, float(rewards[j]), mask, versions,
                                                 [float(x) for x in rlp]))
-            train.append({"tokens": torch.tensor(tokens, dtype=torch.long), "response_lengths": R, "total_lengths": P + R,
+            train.append({"tokens": torch.tensor(tokens, dtype=torch.long), "response_lengths": R,
+                          "total_lengths": P + R,
                           "loss_masks": torch.tensor(mask, dtype=torch.int), "rewards": float(adv[j]), "truncated": 0,
-                          "rollout_log_probs": torch.tensor(rlp), "log_probs": torch.tensor(rlp + rng.normal(0, 0.02, R).astype(np.float32)),
+                          "rollout_log_probs": torch.tensor(rlp),
+                          "log_probs": torch.tensor(rlp + rng.normal(0, 0.02, R).astype(np.float32)),
                           "ref_log_probs": torch.tensor(rlp), "advantages": torch.full((R,), float(adv[j])),
                           "returns": torch.full((R,), float(adv[j])), "sample_index": idx})
     perm = np.roll(np.arange(len(samples)), 1)
@@ -233,9 +236,11 @@ def write_slime_dump(root: Path, rid: int, rng, legacy: bool = False, n_groups: 
     else:
         shards = [dict(t, data_parallel_rank=t["rollout_position"] % 2) for t in train]
         order = sorted(shards, key=lambda s: (s["data_parallel_rank"], s["rollout_position"]))
-        dp = [{"rank": r, "data_parallel_rank": r, "sample_indices": [s["sample_index"] for s in order if s["data_parallel_rank"] == r],
+        dp = [{"rank": r, "data_parallel_rank": r,
+               "sample_indices": [s["sample_index"] for s in order if s["data_parallel_rank"] == r],
                "rollout_positions": [s["rollout_position"] for s in order if s["data_parallel_rank"] == r],
-               "micro_batch_indices": [[0, 1]], "num_microbatches": [1], "global_batch_sizes": [len(train)]} for r in (0, 1)]
+               "micro_batch_indices": [[0, 1]], "num_microbatches": [1], "global_batch_sizes": [len(train)]}
+              for r in (0, 1)]
         torch.save({"format_version": 2, "rollout_id": rid, "rank": 0, "samples": order, "dp_shards": dp,
                     "raw_reward": [s["reward"] for s in samples]}, root / "train_data" / f"{rid}.pt")
     return samples, train
@@ -434,8 +439,10 @@ def test_skyrl_dump_value_by_value(tmp_path, monkeypatch, new):
             np.testing.assert_array_equal(rows["position"], np.arange(n))
             np.testing.assert_array_equal(rows["token_id"], batch["sequences"][b, -R:][:n].numpy())
             np.testing.assert_array_equal(rows["loss_mask"], mask[:n])
-            np.testing.assert_array_equal(rows["sampler_logp"].to_numpy(np.float32), batch["rollout_logprobs"][b, :n].numpy())
-            np.testing.assert_array_equal(rows["old_logp"].to_numpy(np.float32), batch["action_log_probs"][b, :n].numpy())
+            np.testing.assert_array_equal(rows["sampler_logp"].to_numpy(np.float32),
+                                          batch["rollout_logprobs"][b, :n].numpy())
+            np.testing.assert_array_equal(rows["old_logp"].to_numpy(np.float32),
+                                          batch["action_log_probs"][b, :n].numpy())
             np.testing.assert_array_equal(rows["advantage"].to_numpy(np.float32), batch["advantages"][b, :n].numpy())
             r = seq.iloc[k]
             assert (r["step"], r["sample_id"], r["group_id"]) == (step, b, 0 if b < 2 else 1)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import math
 
-import numpy as np
 import pytest
 import torch
 
@@ -58,8 +57,10 @@ def test_trl_sampling_metrics(step):
     ratio = ratio.masked_fill((ratio < -math.inf) | (ratio > 3.0), value=0.0)
     delta = torch.abs(old - samp)[mask.bool()].double()
     flat = ratio.flatten()
-    want = {"sampling/sampling_logp_difference/mean": delta.mean(), "sampling/sampling_logp_difference/max": delta.max(),
-            "sampling/importance_sampling_ratio/min": flat.min(), "sampling/importance_sampling_ratio/mean": flat.mean(),
+    want = {"sampling/sampling_logp_difference/mean": delta.mean(),
+            "sampling/sampling_logp_difference/max": delta.max(),
+            "sampling/importance_sampling_ratio/min": flat.min(),
+            "sampling/importance_sampling_ratio/mean": flat.mean(),
             "sampling/importance_sampling_ratio/max": flat.max()}
     for k, v in want.items():
         assert ours[k] == pytest.approx(float(v), rel=1e-9), k

@@ -85,7 +85,7 @@ def test_slime_per_rank_dumps_of_a_tp_pp_dp_run(tmp_path):
     torch.save({"rollout_id": 0, "samples": samples}, dump / "rollout_data" / "0.pt")
     tp, pp, dp = 2, 2, 2
     for rank in range(tp * pp * dp):  # Megatron's rank order: tp fastest, then dp, then pp
-        t_rank, d_rank, p_rank = rank % tp, (rank // tp) % dp, rank // (tp * dp)
+        d_rank, p_rank = (rank // tp) % dp, rank // (tp * dp)  # the tensor-parallel rank does not change the file
         shard = [t for i, t in enumerate(train) if i % dp == d_rank]
         cols = {k: [t[k] for t in shard] for k in shard[0] if k != "sample_index"}
         cols["sample_indices"] = [t["sample_index"] for t in shard]

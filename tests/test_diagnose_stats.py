@@ -31,7 +31,8 @@ def log_from_deltas(path, deltas_per_step, probs_per_step=None, seed=0):
             p = rng.random(d.size) if probs_per_step is None else np.concatenate(probs_per_step[k])
             s = np.log(np.clip(p, 1e-12, 1)).astype(np.float32)
             w.write_tokens({"run": "", "step": k + 1, "sample_id": np.repeat(np.arange(len(deltas)), lens),
-                            "position": np.concatenate([np.arange(n) for n in lens]), "loss_mask": np.ones(d.size, bool),
+                            "position": np.concatenate([np.arange(n) for n in lens]),
+                            "loss_mask": np.ones(d.size, bool),
                             "sampler_logp": s, "old_logp": (s.astype(np.float64) + d).astype(np.float32)})
             w.write_sequences({"run": "", "step": k + 1, "sample_id": np.arange(len(deltas)), "response_length": lens})
     return path
@@ -55,7 +56,8 @@ def test_streaming_equals_whole_table_pandas(random_small):
     assert len(corr) == 9
     np.testing.assert_allclose(corr["tokens_changed"], corr["tokens_changed_ref"], rtol=1e-9, atol=1e-12)
     np.testing.assert_allclose(corr["removed"], corr["removed_ref"], rtol=1e-9, atol=1e-12)
-    assert (corr["removed_lo"] <= corr["removed"] + 1e-12).all() and (corr["removed"] <= corr["removed_hi"] + 1e-12).all()
+    assert (corr["removed_lo"] <= corr["removed"] + 1e-12).all()
+    assert (corr["removed"] <= corr["removed_hi"] + 1e-12).all()
     bp = d.tables["by_probability"].merge(ref["by_probability"], on=["pair", "p_lo"], suffixes=("", "_ref"))
     for col in ("n_tok", "mean_abs", "abs_mass_share"):
         np.testing.assert_allclose(bp[col], bp[f"{col}_ref"], rtol=1e-9, err_msg=col)
@@ -184,7 +186,8 @@ def test_low_probability_concentration_is_detected_both_ways(tmp_path):
         else:
             assert line.startswith("The trainer/sampler mismatch is not concentrated"), line
         low = d.summary["low_prob"]["mismatch"]
-        p_all, d_all = np.concatenate([np.concatenate(x) for x in probs]), np.concatenate([np.concatenate(x) for x in deltas])
+        p_all = np.concatenate([np.concatenate(x) for x in probs])
+        d_all = np.concatenate([np.concatenate(x) for x in deltas])
         s = np.log(np.clip(p_all, 1e-12, 1)).astype(np.float32)
         delta = ((s.astype(np.float64) + d_all).astype(np.float32) - s).astype(np.float64)
         lo = np.exp(s.astype(np.float64)) < 0.1
