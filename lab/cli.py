@@ -61,6 +61,8 @@ def cmd_estimators(args) -> int:
         print(f"{name}  [{i.family}]  {i.label}: {i.description}\n    paper: {i.paper}\n    source: {i.source}\n"
               f"    defaults: {defaults}\n    allowed: {domains}\n    unbiased for: {i.unbiased_for}"
               + (f"\n    inputs: {inputs}" if inputs else "")
+              + ("\n    mask replay: kept_log_mass (optional): log-probs renormalised over the sampler's kept set"
+                 if i.mask_replay else "")
               + (f"\n    differs from the code it cites: {i.differences}" if i.differences else ""))
     print("\nEvery estimator: a response with no real token counts in the batch size B of the seq-mean-* modes, as "
           "in verl 0.9.1's trainer (global batch size = every sequence of the mini-batch) and TRL's GRPOTrainer. "

@@ -13,6 +13,7 @@ import torch
 
 from lab.errors import LabError
 from lab.policies import sample
+from lab.policies.truncation import sampler_kept
 
 
 @dataclass
@@ -23,6 +24,7 @@ class Batch:
     behaviour_log_probs: torch.Tensor  # [..., B, T] log mu(y_t | s_t), masked
     rewards: torch.Tensor  # [..., B] sampled rewards
     group_size: int
+    kept: torch.Tensor | None = None  # [..., B, T, V] bool: a truncating sampler's kept set at every position
 
     def __post_init__(self):
         self.validate()
@@ -42,11 +44,14 @@ class Batch:
 
 def draw_batches(env, mu: tuple, M: int, B: int, G: int, generator: torch.Generator) -> Batch:
     """M replicate batches [M, B, ...] from mu = (policy, theta), sampled in float32; B/G prompts per batch drawn
-    uniformly, G responses each."""
+    uniformly, G responses each. A truncating sampler (``lab.policies.truncation.Truncated``) records its kept set
+    at every position (``Batch.kept``)."""
     policy, theta = mu
     prompts = torch.randint(env.n_prompts, (M, B // G), generator=generator).repeat_interleave(G, dim=-1)
-    tokens, mask, logp = sample(policy, theta, env, prompts.reshape(-1), generator, dtype=torch.float32)
+    record = sampler_kept(policy) is not None
+    tokens, mask, logp, *kept = sample(policy, theta, env, prompts.reshape(-1), generator, dtype=torch.float32,
+                                       record_kept=record)
     rewards = env.sample_reward(prompts.reshape(-1), tokens, mask, generator).float()
     T = env.length
     return Batch(prompts, tokens.reshape(M, B, T), mask.reshape(M, B, T), logp.reshape(M, B, T),
-                 rewards.reshape(M, B), G)
+                 rewards.reshape(M, B), G, kept[0].reshape(M, B, T, -1) if record else None)

@@ -14,6 +14,7 @@ from lab.errors import LabError
 from lab.estimators.aggregation import check_mode, target_scale
 from lab.estimators.registry import EstimatorInfo
 from lab.policies import log_probs_of
+from lab.policies.truncation import replayed
 
 
 @dataclass(frozen=True)
@@ -22,18 +23,24 @@ class Estimator:
     info: EstimatorInfo = field(repr=False)
     hyper: dict  # overrides of the registry defaults
     loss_agg_mode: str  # the aggregation it runs with
+    mask_replay: bool = False  # renormalise the trainer's log-probs over the sampler's recorded kept sets
 
     @classmethod
-    def resolve(cls, name: str, hyper: dict | None = None, loss_agg_mode: str = "native") -> "Estimator":
+    def resolve(cls, name: str, hyper: dict | None = None, loss_agg_mode: str = "native",
+                mask_replay: bool = False) -> "Estimator":
         """Look ``name`` up, check ``hyper``, and fix the aggregation: the study's mode, or with "native" (or when
-        the loss defines its own aggregation, as GVPO's does) the estimator's own default."""
+        the loss defines its own aggregation, as GVPO's does) the estimator's own default. ``mask_replay``: the
+        sampler's kept sets (extra input ``kept``, [B, T, V] bool) are replayed (lab.estimators.contract)."""
         info = estimators.info(name)
+        if mask_replay and not info.mask_replay:
+            raise LabError(f"estimator {name!r} has no mask replay (it is not scored on the sampled tokens' "
+                           f"log-probs alone); leave it out or turn mask replay off")
         hyper = dict(hyper or {})
         estimators.check_hyper(name, hyper)
         if loss_agg_mode != "native":
             check_mode(loss_agg_mode)
         mode = info.loss_agg_mode if loss_agg_mode == "native" or info.fixed_agg else loss_agg_mode
-        return cls(name, info, hyper, mode)
+        return cls(name, info, hyper, mode, mask_replay)
 
     @property
     def grad_scale(self) -> float:
@@ -75,8 +82,13 @@ class Estimator:
         wanted = self.wanted
         fn, mode, hyper = self.info.fn, self.loss_agg_mode, self.hyper
 
+        replay = self.mask_replay
+
         def loss(logits, tokens, mask, old_log_prob, advantages, extras):
-            log_prob = log_probs_of(logits, tokens) * mask
+            if replay and extras.get("kept") is not None:  # the contract's kept_log_mass, computed as log q is
+                log_prob = replayed(logits, tokens, extras["kept"]) * mask
+            else:
+                log_prob = log_probs_of(logits, tokens) * mask
             named = {k: v for k, v in {**extras, "logits": logits, **static}.items() if k in wanted}
             value, metrics = fn(log_prob, old_log_prob, advantages, mask, loss_agg_mode=mode, **hyper, **named)
             return -value, metrics

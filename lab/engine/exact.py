@@ -23,7 +23,7 @@ from scipy.special import erfinv
 
 import toy_envs
 from lab.errors import LabError
-from lab.policies import Policy, sample, sequence_log_probs, token_log_probs
+from lab.policies import Policy, masked, sample, sequence_log_probs, token_log_probs
 
 REFERENCES = ("exact", "mc")
 NETWORK_CHUNK = 2048  # (prompt, response) pairs per forward / backward pass of a network policy
@@ -82,6 +82,9 @@ def exact_support(env, policy: Policy, theta, enum_limit: int) -> Support:
     with torch.no_grad():
         logp = torch.cat([sequence_log_probs(policy, theta.double(), prompts[c], tokens[c], mask[c])
                           for c in chunks(policy, prompts.shape[0], tokens.shape[1])])
+    possible = logp > -torch.inf  # a truncated sampler never draws a response with a token outside its kept set
+    if not bool(possible.all()):
+        prompts, tokens, mask, logp = prompts[possible], tokens[possible], mask[possible], logp[possible]
     return Support(prompts, tokens, mask, torch.exp(logp) / env.n_prompts, True)
 
 
@@ -154,8 +157,8 @@ def _log_weights(pi: tuple, mu: tuple, prompts, tokens, mask):
     lp_mu = torch.log_softmax(mu[0].logits(mu[1].double(), prompts, tokens), -1).to(lp_pi.device)
     dev = lp_pi.device
     tok, m = tokens.to(dev)[..., None], mask.to(dev)
-    L = ((lp_pi.gather(-1, tok) - lp_mu.gather(-1, tok)).squeeze(-1) * m).sum(-1)
-    chi2_t = (torch.exp(2 * lp_pi - lp_mu).sum(-1) - 1.0) * m
+    L = masked((lp_pi.gather(-1, tok) - lp_mu.gather(-1, tok)).squeeze(-1), m).sum(-1)
+    chi2_t = masked(torch.exp(2 * lp_pi - lp_mu).sum(-1) - 1.0, m)  # inf where mu truncates tokens pi can draw
     return L.cpu(), chi2_t.cpu()
 
 

@@ -22,7 +22,8 @@ from torch.func import grad, vmap
 
 from lab.engine.estimator import Estimator
 from lab.engine.exact import chunks, pullback
-from lab.policies import token_log_probs
+from lab.policies import masked, token_log_probs
+from lab.policies.truncation import replayed, sampler_kept
 
 GRADIENT_MEMORY_BUDGET = 2 * 2**30  # bytes of gradient estimates held at once (default chunk, streamed statistics)
 ROW_BYTES = 8  # bytes per coordinate of an estimate as the statistics hold it (float64)
@@ -167,10 +168,17 @@ def expected_gradient(env, policy, theta_pi, mu: tuple, support_mu, est: Estimat
     if not separable(est.loss_agg_mode, env):
         return None
     s = support_mu
+    parts = chunks(policy, s.prompts.shape[0], s.tokens.shape[1])
     with torch.no_grad():
-        old = torch.cat([token_log_probs(mu[0], mu[1].double(), s.prompts[c], s.tokens[c])
-                         for c in chunks(policy, s.prompts.shape[0], s.tokens.shape[1])]) * s.mask
+        old = masked(torch.cat([token_log_probs(mu[0], mu[1].double(), s.prompts[c], s.tokens[c]) for c in parts]),
+                     s.mask)
+        kept = None
+        if est.mask_replay and sampler_kept(mu[0]) is not None:  # the sampler's kept sets, as it records them
+            kept = torch.cat([torch.isfinite(mu[0].logits(mu[1].double(), s.prompts[c], s.tokens[c])).cpu()
+                              for c in parts])
     adv = env.expected_reward(s.prompts, s.tokens, s.mask)[:, None] * s.mask
+    if kept is not None:
+        return _expected_replayed(policy, theta_pi, s, old, adv, kept, est, parts)
     if policy.gradient_backend == "rows":  # one pass: the tabular numbers exactly as they always were
         theta = theta_pi.detach().double().requires_grad_(True)
         log_prob = (token_log_probs(policy, theta, s.prompts, s.tokens) * s.mask)
@@ -188,6 +196,37 @@ def expected_gradient(env, policy, theta_pi, mu: tuple, support_mu, est: Estimat
     (coef,) = torch.autograd.grad(loss, lp_leaf)
     coef = coef * s.mask * s.weights[:, None] * s.weights.shape[0]
     return -pullback(policy, theta_pi, s.prompts, s.tokens, coef.detach()).reshape(-1)
+
+
+def replayed_log_probs(policy, theta, prompts, tokens, kept) -> torch.Tensor:
+    """log pi(y_t) - log pi(S_t): the trainer's log-probs renormalised over the kept sets ``kept`` [..., T, V]
+    (``lab.policies.truncation.replayed``)."""
+    return replayed(policy.logits(theta, prompts, tokens), tokens, kept).to(tokens.device)
+
+
+def _expected_replayed(policy, theta_pi, s, old, adv, kept, est: Estimator, parts) -> torch.Tensor:
+    """expected_gradient with mask replay: the coefficients c = d loss / d log_prob on the replayed log-probs,
+    pulled back through log pi(y_t) - log pi(S_t) (kept sets fixed), chunk by chunk."""
+    with torch.no_grad():
+        lp = torch.cat([replayed_log_probs(policy, theta_pi.double(), s.prompts[c], s.tokens[c], kept[c])
+                        for c in parts])
+    lp_leaf = masked(lp, s.mask).requires_grad_(True)
+    loss, _ = est.loss_on_log_probs(lp_leaf, old, adv, s.mask)
+    (coef,) = torch.autograd.grad(loss, lp_leaf)
+    coef = (coef * s.mask * s.weights[:, None] * s.weights.shape[0]).detach()
+    return -replayed_pullback(policy, theta_pi, s.prompts, s.tokens, kept, coef).reshape(-1)
+
+
+def replayed_pullback(policy, theta, prompts, tokens, kept, coef: torch.Tensor) -> torch.Tensor:
+    """grad_theta sum_{n, t} coef[n, t] (log pi(y_t) - log pi(S_t)) with the kept sets S fixed ([N, T, V]) and
+    detached coefficients [N, T] (0 on padding), float64, one backward pass per chunk of pairs."""
+    theta = theta.detach().double().requires_grad_(True)
+    total = torch.zeros_like(theta)
+    for c in chunks(policy, prompts.shape[0], tokens.shape[1]):
+        lp_c = replayed_log_probs(policy, theta, prompts[c], tokens[c], kept[c])
+        (g,) = torch.autograd.grad(masked(coef[c] * lp_c, coef[c] != 0).sum(), theta)
+        total += g
+    return total
 
 
 def exact_direction(env, policy, theta_pi, mu: tuple, support_mu, est: Estimator, grad_j: torch.Tensor) -> dict | None:

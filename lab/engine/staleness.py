@@ -8,6 +8,11 @@ measured divergence (``lab.engine.exact.divergence``). A behaviour is a (policy,
                   (``Perturbed``); s is found by Brent's method so that the per-token KL(mu||pi) =
                   KL_seq / E_mu[|y|] equals d.
 - temperature t:  mu's logits = pi's logits / t, the sampler's temperature (``Tempered``).
+- top_p p, top_k k, min_p m: mu = pi's sampler truncated to its kept set and renormalised (``Truncated``, the
+                  engines' semantics: ``lab.policies.truncation``); p = 1, k = V and m = 0 are pi itself.
+
+Truncation also goes on top of any kind (``truncate``): mu = Truncated(mu, top_p, top_k, min_p), the lagged,
+perturbed or tempered sampler with top-p / top-k / min-p after its temperature, as an engine applies them.
 """
 from __future__ import annotations
 
@@ -19,9 +24,11 @@ from scipy.optimize import brentq
 
 from lab.engine.exact import Problem, divergence, policy_gradient
 from lab.errors import LabError
-from lab.policies import Perturbed, Tempered
+from lab.policies import Perturbed, Tempered, Truncated
+from lab.policies.truncation import KNOBS as TRUNCATION_KINDS
+from lab.policies.truncation import active, check_truncation
 
-KINDS = ("lag", "kl", "temperature")
+KINDS = ("lag", "kl", "temperature", *TRUNCATION_KINDS)
 
 
 class Behaviour(tuple):
@@ -63,7 +70,7 @@ def optimisation_trajectory(problem: Problem, theta0, steps: int, lr: float, gen
     return Trajectory(torch.stack(snaps))
 
 
-def check_value(kind: str, value: float, max_lag: int) -> None:
+def check_value(kind: str, value: float, max_lag: int, vocab_size: int | None = None) -> None:
     if kind not in KINDS:
         raise LabError(f"unknown staleness kind {kind!r}; choose one of {', '.join(KINDS)}")
     if not math.isfinite(value):
@@ -78,6 +85,9 @@ def check_value(kind: str, value: float, max_lag: int) -> None:
     elif kind == "temperature" and not TEMPERATURES[0] <= value <= TEMPERATURES[1]:
         raise LabError(f"temperature must lie in [{TEMPERATURES[0]:g}, {TEMPERATURES[1]:g}] (positive, and finite "
                        f"logits once divided by it), got {value:g}")
+    elif kind in TRUNCATION_KINDS:
+        check_truncation(**{kind: int(value) if kind == "top_k" and value == int(value) else value},
+                         vocab_size=vocab_size)
 
 
 def kl_target(problem: Problem, theta_pi, target: float, generator: torch.Generator) -> tuple:
@@ -107,10 +117,22 @@ def kl_target(problem: Problem, theta_pi, target: float, generator: torch.Genera
 def behaviour(problem: Problem, kind: str, value: float, trajectory: Trajectory, generator) -> tuple:
     """mu = (policy, theta) for one staleness setting; pi = (problem.policy, trajectory.current)."""
     K = trajectory.steps
-    check_value(kind, value, K)
+    check_value(kind, value, K, problem.policy.vocab_size)
     pi = trajectory.current
     if kind == "lag":
         return Behaviour(problem.policy, trajectory.snapshots[K - int(value)].clone(), int(value))
     if kind == "temperature":
         return Tempered(problem.policy, value), pi
+    if kind in TRUNCATION_KINDS:
+        return Truncated(problem.policy, **{kind: int(value) if kind == "top_k" else value}), pi
     return kl_target(problem, pi, value, generator)
+
+
+def truncate(mu: tuple, top_p: float = 1.0, top_k: int | None = None, min_p: float = 0.0) -> tuple:
+    """mu with top-p / top-k / min-p on top of its logits (after its temperature), or mu itself when they cut
+    nothing (top_p = 1, top_k = V or None, min_p = 0: bit-identical). The version lag is kept."""
+    policy, theta = mu
+    check_truncation(top_p, top_k, min_p, policy.vocab_size)
+    if not active(top_p, top_k, min_p, policy.vocab_size):
+        return mu
+    return Behaviour(Truncated(policy, top_p=top_p, top_k=top_k, min_p=min_p), theta, getattr(mu, "lag", None))

@@ -36,9 +36,10 @@ from lab.engine.batches import draw_batches
 from lab.engine.exact import Problem, Support
 from lab.engine.gradients import GRADIENT_MEMORY_BUDGET, budget_chunk, expected_gradient, stream_gradients
 from lab.engine.batches import Batch
-from lab.engine.metrics import streamed_metrics, weight_diagnostics
+from lab.engine.metrics import gram_metrics, streamed_metrics, weight_diagnostics
 from lab.errors import LabError
 from lab.policies import token_log_probs
+from lab.policies.truncation import replayed
 
 PROVIDED_INPUTS = ("rewards", "group_size", "logits", "rollout_log_probs", "selection_keys", "lag")  # see the docstring
 
@@ -63,14 +64,15 @@ class Sampling:
 
 def measure(problem: Problem, theta_pi, mu: tuple, support_mu: Support | None, ests: list, grad_j: torch.Tensor,
             sampling: Sampling, generator: torch.Generator, rng: np.random.Generator, on_estimator=None,
-            grad_j_var: float = 0.0):
+            grad_j_var: float = 0.0, targets: dict | None = None):
     """(rows, per-estimator point values, intervals) for one behaviour mu = (policy, theta).
 
     ``rows`` are dicts (estimator, metric, value, lo, hi); ``grad_j`` is the exact (or reference) grad J of pi,
     flat, and ``grad_j_var`` the trace of its covariance (0 when exact; a Monte Carlo reference's, from
     ``lab.engine.exact.reference_gradient``: the target c grad J then has c^2 grad_j_var); ``on_estimator`` is
     called after each estimator (progress). The same ``generator`` draws the batches and ``rng`` the bootstrap
-    counts, shared by every estimator.
+    counts, shared by every estimator. ``targets`` ({name: exact gradient}, optional): the same statistics against
+    each of these too, as metrics "<metric>@<name>" (the estimates must fit the memory budget at once).
     """
     env, policy = problem.env, problem.policy
     M, B, G = sampling.replicates, sampling.batch_size, sampling.group_size
@@ -81,6 +83,10 @@ def measure(problem: Problem, theta_pi, mu: tuple, support_mu: Support | None, e
     theta32 = theta_pi.float()
     with torch.no_grad():
         lp_pi = token_log_probs(policy, theta32, batch.prompts, batch.tokens) * batch.mask
+        replayed_old = None
+        if batch.kept is not None and any(e.mask_replay and e.info.three_policy for e in ests):
+            logits = policy.logits(theta32, batch.prompts, batch.tokens)
+            replayed_old = replayed(logits, batch.tokens, batch.kept).to(lp_pi.device) * batch.mask
     rows = []
 
     def add(estimator, metric, v, lo=None, hi=None):
@@ -104,10 +110,16 @@ def measure(problem: Problem, theta_pi, mu: tuple, support_mu: Support | None, e
     for est in ests:
         scale, c = est.grad_scale, est.target_scale(env.length)
         g_star = c * grad_j
-        est_batch, extras = estimator_batch(batch, lp_pi, est, keys, lag)
+        est_batch, extras = estimator_batch(batch, lp_pi, est, keys, lag, replayed_old)
         stream = _estimates(policy, theta32, est_batch, adv, est, extras, G, sampling.chunk_for(D), scale, buffer)
         res, metrics, buffer = streamed_metrics(stream, M, D, g_star, sampling.memory_budget, counts, sampling.ci,
                                                 buffer, target_var=c**2 * grad_j_var)
+        for tname, target in (targets or {}).items():
+            if buffer is None:
+                raise LabError(f"{M} replicates x {D:,} parameters do not fit the memory budget at once, which "
+                               f"statistics against a second target need; use fewer replicates")
+            res.update({f"{m}@{tname}": v for m, v in gram_metrics(buffer, (c * target).reshape(-1).float(), counts,
+                                                                  sampling.ci).items()})
         if exact_bias and not est.info.inputs:
             expected = expected_gradient(env, policy, theta_pi, mu, support_mu, est)
             if expected is not None:
@@ -123,13 +135,19 @@ def measure(problem: Problem, theta_pi, mu: tuple, support_mu: Support | None, e
     return rows, points, intervals
 
 
-def estimator_batch(batch: Batch, lp_pi: torch.Tensor, est, keys=None, lag=None) -> tuple[Batch, dict]:
+def estimator_batch(batch: Batch, lp_pi: torch.Tensor, est, keys=None, lag=None,
+                    replayed_old: torch.Tensor | None = None) -> tuple[Batch, dict]:
     """(the batch whose behaviour_log_probs the estimator sees as old_log_prob, its extra tensor inputs), both with the
-    replicate axis first (see the module docstring)."""
+    replicate axis first (see the module docstring). With mask replay and a truncating sampler the kept sets go in
+    as ``kept``, and a three-policy estimator's recomputed pi_old is renormalised over them too (``replayed_old``:
+    log pi(y_t) - log pi(S_t))."""
     extras = {"rewards": batch.rewards}
+    if est.mask_replay and batch.kept is not None:
+        extras["kept"] = batch.kept
     if est.info.three_policy:
         extras["rollout_log_probs"] = batch.behaviour_log_probs
-        batch = Batch(batch.prompts, batch.tokens, batch.mask, lp_pi.to(batch.behaviour_log_probs.dtype) * batch.mask,
+        old = lp_pi if replayed_old is None or "kept" not in extras else replayed_old
+        batch = Batch(batch.prompts, batch.tokens, batch.mask, old.to(batch.behaviour_log_probs.dtype) * batch.mask,
                       batch.rewards, batch.group_size)
     if "selection_keys" in est.wanted and keys is not None:
         extras["selection_keys"] = keys

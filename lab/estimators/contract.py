@@ -24,6 +24,13 @@ the same contract without code of its own. The contract (also in the registry's 
 - Precision. float16 and bfloat16 inputs are promoted to float32 before any ratio is formed and the loss is float32;
   the gradient with respect to a half-precision input is the float32 gradient rounded to that precision (entries
   beyond its range, 65504 for float16, become inf).
+- Mask replay. Every estimator whose entry has ``mask_replay`` (each one scored on the sampled tokens' log-probs:
+  all but the KL penalties, the distillation family and those that read the logits) takes an optional
+  ``kept_log_mass`` [B, T]: log pi(S_t), the trainer's log-probability of the sampler's kept set at each position
+  (top-p / top-k / min-p; ``lab.policies.truncation.kept_log_mass``), carrying the gradient like ``log_prob``. The
+  estimator then sees log_prob - kept_log_mass, the trainer's log-probs renormalised over the kept set (slime's
+  and DeepSeek-V3.2's "keep sampling mask"); it is held to log_prob's checks (finite, <= 0 at real positions).
+  Where ``old_log_prob`` is the trainer's own recomputation (three-policy batches) the caller renormalises it too.
 - Hyper-parameters. Each has a declared domain (``EstimatorInfo.domains``); a call, and ``check_hyper``, refuse a
   value outside it (NaN, a wrong sign, a non-number) with LabError.
 """
@@ -42,9 +49,10 @@ from lab.lazy import torch
 from lab.errors import LabError
 from lab.estimators.aggregation import check_mode
 
+REPLAY = "kept_log_mass"  # mask replay's input (see the module docstring)
 PER_TOKEN = ("old_log_prob", "ref_log_prob", "rollout_log_probs", "teacher_log_prob", "selection_keys",
-             "lag")  # [B, T] besides log_prob
-LOG_PROBS = ("log_prob", "teacher_log_prob")  # held to <= 0 (see the module docstring for the others)
+             "lag", REPLAY)  # [B, T] besides log_prob
+LOG_PROBS = ("log_prob", "teacher_log_prob", REPLAY)  # held to <= 0 (see the module docstring for the others)
 VOCAB = ("logits", "teacher_logits")  # [B, T, V]
 
 
@@ -258,6 +266,10 @@ def guard(name: str, fn: Callable, inputs: tuple, optional_inputs: tuple, get_in
     @functools.wraps(fn)
     def guarded(*args, **kwargs):
         info = get_info(name)
+        kept = kwargs.pop(REPLAY, None)
+        if kept is not None and not info.mask_replay:
+            raise LabError(f"estimator {name!r} does not take {REPLAY} (mask replay): it is not scored on the sampled "
+                           f"tokens' log-probs alone")
         unknown = [k for k in kwargs if k not in params]
         if unknown:
             raise LabError(f"estimator {name!r} has no hyper-parameter(s) {', '.join(sorted(unknown))}; it takes "
@@ -273,11 +285,15 @@ def guard(name: str, fn: Callable, inputs: tuple, optional_inputs: tuple, get_in
             check_mode(a["loss_agg_mode"])
         check_values(name, info.domains, {k: a[k] for k in info.defaults if k in a}, info.check)
         named = {k: a[k] for k in named_keys if k in a and a[k] is not None}
+        if kept is not None:
+            named[REPLAY] = kept
         check_shapes(name, a["log_prob"], a["old_log_prob"], a["advantages"], a["response_mask"], named)
         if not in_transform():
             check_values_of_inputs(name, a["log_prob"], a["old_log_prob"], a["advantages"], a["response_mask"], named)
         lp, old, adv, mask, named, poison = prepare(a["log_prob"], a["old_log_prob"], a["advantages"],
                                                     a["response_mask"], named)
+        if kept is not None:
+            lp = lp - named.pop(REPLAY)  # log pi(y_t) - log pi(S_t): renormalised over the kept set
         a.update(log_prob=lp, old_log_prob=old, advantages=adv, response_mask=mask, **named)
         loss, metrics = fn(*bound.args, **bound.kwargs)
         return loss + poison * lp.sum(), metrics

@@ -37,6 +37,12 @@ VESPO folds log w into its sequence log-weight as VESPO's reference code does (r
 old_log_prob - log max(w, 1e-8)). Metrics come back as floats: ``actor/ppo_kl``, ``actor/pg_clipfrac``,
 ``actor/pg_clipfrac_lower`` where the estimator has them, the rest as ``<name>/<metric>``.
 
+Mask replay (a sampler with top-p / top-k / min-p): pass ``kept_log_mass`` = log pi(S_t), the trainer's
+log-probability of the sampler's recorded kept set at each position ([B, T], computed from the actor's logits and
+the dumped kept ids with ``lab.policies.truncation.kept_log_mass``, carrying the gradient), as a keyword; the loss
+then scores log_prob - kept_log_mass (lab.estimators.contract). verl's own trainer does not pass it: call the
+exported loss from an actor that does, and renormalise a recomputed old_log_prob the same way.
+
 The two-policy estimators (tis_*, mis_*, seq_is) compute their weight from log_prob and old_log_prob themselves:
 use them with verl's bypass mode, where old_log_prob is the sampler's. Estimators that need inputs verl's policy-loss
 signature does not carry (GVPO's rewards, the KL penalties' reference, the distillation family's teacher) are
@@ -133,7 +139,7 @@ def to_verl(name: str, **hyper) -> Callable:
 
     def policy_loss(old_log_prob: torch.Tensor, log_prob: torch.Tensor, advantages: torch.Tensor,
                     response_mask: torch.Tensor, loss_agg_mode: str = i.loss_agg_mode, config=None,
-                    rollout_is_weights: torch.Tensor | None = None):
+                    rollout_is_weights: torch.Tensor | None = None, kept_log_mass: torch.Tensor | None = None):
         if loss_agg_mode not in VERL_MODES:
             raise LabError(f"unknown loss_agg_mode {loss_agg_mode!r}; verl knows {', '.join(VERL_MODES)}")
         dtype = log_prob.dtype if log_prob.dtype not in (torch.float16, torch.bfloat16) else torch.float32
@@ -155,6 +161,8 @@ def to_verl(name: str, **hyper) -> Callable:
                 adv = advantages * torch.exp(log_w.sum(-1) / (length + 1e-8))[:, None]
             else:
                 adv = advantages * w
+        if kept_log_mass is not None:
+            named["kept_log_mass"] = kept_log_mass  # the contract refuses it where mask replay does not apply
         batch_info = dict(_get(config, "global_batch_info") or {}) if config is not None else {}
         mode, factor = _scale(loss_agg_mode, mask, batch_info)
         loss, metrics = fn(log_prob, old_log_prob, adv, mask, loss_agg_mode=mode, **params, **named)

@@ -21,6 +21,11 @@ trainer recomputes at the start of the update and ``rollout_log_probs`` the samp
 (lab.engine.estimator.Estimator.three_policy). Estimators that list it in ``optional_inputs`` run the two-policy form
 (``old_log_prob`` = mu) unless the caller passes it.
 
+Mask replay. A sampler with top-p, top-k or min-p draws from pi restricted to its kept set S_t and renormalised;
+every estimator with ``mask_replay`` in its entry (`lab estimators` shows it) takes an optional ``kept_log_mass``
+[B, T] = log pi(S_t) and then scores log pi(y_t) - log pi(S_t), the trainer's log-probs renormalised over the
+recorded kept set (lab.estimators.contract).
+
 Named presets. ``info("verl:NAME")`` resolves one of verl's rollout-correction presets
 (lab.estimators.presets) to the registered estimator and hyper-parameters it maps to, with the preset's name.
 
@@ -79,6 +84,7 @@ class EstimatorInfo:
     check: Callable | None = None  # hyper -> None, or a sentence naming a conflict between hyper-parameters
     differences: str = ""  # deliberate differences from the code it cites (verl, TRL, the authors'); "" if none
     homogeneous: bool = True  # per-token loss(w A) = w loss(A) for w >= 0: verl's rollout_is_weights can scale A
+    mask_replay: bool = False  # takes ``kept_log_mass`` (the sampler's kept set replayed; lab.estimators.contract)
 
     @property
     def three_policy(self) -> bool:
@@ -122,10 +128,16 @@ def register(name: str, *, family: str, source: str, unbiased_for: str, label: s
             description=doc[0] if doc else "", label=label or name, paper=paper, unbiased=unbiased, coefficient=coefficient,
             defaults=defaults, inputs=tuple(inputs), optional_inputs=tuple(optional_inputs), grad_scale=grad_scale,
             ratio=ratio, loss_agg_mode=agg, fixed_agg=fixed_agg, domains=parsed, check=check, differences=differences,
-            homogeneous=homogeneous)
+            homogeneous=homogeneous, mask_replay=replayable(family, inputs))
         return guarded
 
     return wrap
+
+
+def replayable(family: str, inputs) -> bool:
+    """Whether mask replay applies: the loss is a function of the sampled tokens' log-probs (not a KL penalty, not a
+    distillation loss, no logits read), so renormalising them over the sampler's kept set is the whole fix."""
+    return family not in ("kl-penalty", "distillation") and "logits" not in inputs
 
 
 def names() -> list[str]:

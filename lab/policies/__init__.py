@@ -14,10 +14,11 @@ import torch
 from lab.errors import LabError
 from lab.policies.protocol import Perturbed, Policy, Tempered
 from lab.policies.tabular import POLICIES, MarkovPolicy, PrefixTreePolicy
+from lab.policies.truncation import Truncated
 
-__all__ = ["KINDS", "NETWORKS", "POLICIES", "Kind", "kind", "MarkovPolicy", "Perturbed", "Policy", "PrefixTreePolicy", "Tempered", "make_policy",
-           "check_device", "resolve_device", "init_params", "log_probs_of", "token_log_probs", "sequence_log_probs",
-           "sample"]
+__all__ = ["KINDS", "NETWORKS", "POLICIES", "Kind", "kind", "MarkovPolicy", "Perturbed", "Policy", "PrefixTreePolicy",
+           "Tempered", "Truncated", "make_policy", "check_device", "resolve_device", "init_params", "log_probs_of",
+           "masked", "token_log_probs", "sequence_log_probs", "sample"]
 
 
 @dataclass(frozen=True)
@@ -110,9 +111,16 @@ def token_log_probs(policy: Policy, theta, prompts, tokens) -> torch.Tensor:
     return log_probs_of(policy.logits(theta, prompts, tokens), tokens).to(tokens.device)
 
 
+def masked(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """values at real positions, 0 on padding (torch.where: a -inf log-prob of a truncated sampler on padding stays
+    out, where -inf * 0 would be NaN)."""
+    return torch.where(mask.to(values.device) > 0, values, torch.zeros((), dtype=values.dtype, device=values.device))
+
+
 def sequence_log_probs(policy: Policy, theta, prompts, tokens, mask) -> torch.Tensor:
-    """log pi(y | x) = sum_t m_t log pi(y_t | s_t): [...]."""
-    return (token_log_probs(policy, theta, prompts, tokens) * mask).sum(-1)
+    """log pi(y | x) = sum_t m_t log pi(y_t | s_t): [...] (-inf where a real token lies outside a truncated
+    sampler's kept set)."""
+    return masked(token_log_probs(policy, theta, prompts, tokens), mask).sum(-1)
 
 
 def markov_logits(policy: Policy, theta) -> torch.Tensor | None:
@@ -131,8 +139,11 @@ def markov_logits(policy: Policy, theta) -> torch.Tensor | None:
 
 
 @torch.no_grad()
-def sample(policy: Policy, theta, env, prompts: torch.Tensor, generator: torch.Generator, dtype=None):
-    """Draw one response per prompt. Returns tokens [B, T] (long), mask [B, T], token log-probs [B, T] (masked).
+def sample(policy: Policy, theta, env, prompts: torch.Tensor, generator: torch.Generator, dtype=None,
+           record_kept: bool = False):
+    """Draw one response per prompt. Returns tokens [B, T] (long), mask [B, T], token log-probs [B, T] (masked),
+    and with ``record_kept`` the sampler's kept set at every position [B, T, V] (bool: the tokens whose logits
+    were finite when it drew the token there, as slime records top-p's kept ids; all True without truncation).
 
     Logits are computed in theta's dtype and rounded to ``dtype`` (default: theta's) before sampling and scoring,
     so a float64 behaviour policy can be sampled exactly as its float32 copy would be.
@@ -140,6 +151,7 @@ def sample(policy: Policy, theta, env, prompts: torch.Tensor, generator: torch.G
     dtype = dtype or theta.dtype
     B, T = prompts.shape[0], env.length
     tokens = torch.zeros(B, T, dtype=torch.long)
+    kept = torch.ones(B, T, policy.vocab_size, dtype=torch.bool) if record_kept else None
     table = markov_logits(policy, theta)
     if table is not None:  # rows (prompt, previous token) of each position, [T, P V, V]
         V = table.shape[1]
@@ -150,6 +162,9 @@ def sample(policy: Policy, theta, env, prompts: torch.Tensor, generator: torch.G
         else:  # a Markov policy: the row of (prompt, position, previous token), the same numbers
             logits_t = table[t].index_select(0, prompts * V + (tokens[:, t - 1] if t else 0)).to(dtype)
         tokens[:, t] = torch.multinomial(torch.softmax(logits_t.double().cpu(), -1), 1, generator=generator)[:, 0]
+        if record_kept:
+            kept[:, t] = torch.isfinite(logits_t).cpu()
     mask = env.mask_of(tokens).to(dtype)
     tokens = tokens * mask.long()  # after the end token: padding 0
-    return tokens, mask, log_probs_of(policy.logits(theta, prompts, tokens).to(dtype), tokens).cpu() * mask
+    logp = masked(log_probs_of(policy.logits(theta, prompts, tokens).to(dtype), tokens).cpu(), mask)
+    return (tokens, mask, logp, kept) if record_kept else (tokens, mask, logp)

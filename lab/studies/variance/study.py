@@ -30,11 +30,12 @@ from lab.engine.estimator import Estimator
 from lab.engine.exact import REFERENCES, Problem, divergence_intervals, reference_gradient
 from lab.engine.gradients import budget_chunk, exact_direction
 from lab.engine.metrics import streamed_memory
-from lab.engine.staleness import KINDS, behaviour, check_value, optimisation_trajectory
+from lab.engine.staleness import KINDS, behaviour, check_value, optimisation_trajectory, truncate
 from lab.engine.variance import PROVIDED_INPUTS, Sampling, measure
 from lab.errors import LabError
 from lab.policies import KINDS as POLICY_KINDS
 from lab.policies import check_device, init_params, make_policy
+from lab.policies.truncation import check_truncation
 from lab.progress import bar
 from lab.seeding import derive_seed, generator
 from lab.runs import check_cache_dir
@@ -65,9 +66,18 @@ class Config:
     """start from the supervised warm start of a transformer of size ``model`` at this exact-match accuracy (0: the
     policy's random init); a prefix policy copies that transformer's distribution"""
     staleness: Literal[KINDS] = "lag"
-    """lag | kl | temperature"""
+    """lag | kl | temperature | top_p | top_k | min_p (a truncating sampler: lab.policies.truncation)"""
     values: list[float] = knob([0, 1, 2, 4, 8, 16, 32, 64], ge=0, le=1e6)
     """staleness settings"""
+    top_p: float = knob(1.0, gt=0, le=1)
+    """the sampler's top-p on top of the staleness kind (1: none)"""
+    top_k: int | None = knob(None, ge=1, le=10_000_000)
+    """the sampler's top-k on top of the staleness kind (none: off; at most the vocabulary size)"""
+    min_p: float = knob(0.0, ge=0, lt=1)
+    """the sampler's min-p on top of the staleness kind (0: none)"""
+    mask_replay: bool = False
+    """replay the sampler's recorded kept sets in every estimator (the trainer's log-probs renormalised over them;
+    lab.estimators.contract); a no-op without truncation"""
     estimators: list[str] = knob(list(DEFAULT_ESTIMATORS))
     """estimator names (see `lab estimators`; verl:NAME for a verl preset), or all: every policy-gradient estimator
     this study can run"""
@@ -148,7 +158,8 @@ class Config:
 
     def resolved(self) -> list[Estimator]:
         """The estimators, resolved once (registry entry, hyper-parameters, aggregation)."""
-        return [Estimator.resolve(n, self.hyper.get(n, {}), self.loss_agg_mode) for n in self.names()]
+        return [Estimator.resolve(n, self.hyper.get(n, {}), self.loss_agg_mode, self.mask_replay)
+                for n in self.names()]
 
     def validate(self) -> None:
         check_types(self)
@@ -156,8 +167,14 @@ class Config:
         if not self.values:
             raise LabError("give at least one staleness value")
         check_unique("values", [float(v) for v in self.values])
+        V = problem.policy.vocab_size
+        check_truncation(self.top_p, self.top_k, self.min_p, V)
         for v in self.values:
-            check_value(self.staleness, float(v), self.trajectory_steps)
+            check_value(self.staleness, float(v), self.trajectory_steps, V)
+        on_top = {"top_p": self.top_p != 1, "top_k": self.top_k is not None, "min_p": self.min_p != 0}
+        if on_top.get(self.staleness):
+            raise LabError(f"--staleness {self.staleness} sweeps {self.staleness} itself; leave "
+                           f"--{self.staleness.replace('_', '-')} at its default")
         self._validate_estimators()
         adv_mod.check(self.advantage, self.group_size)
         if self.batch_size % self.group_size:
@@ -322,7 +339,7 @@ def run(cfg: Config, progress: bool | None = None) -> StudyResult:
     bars = bar(len(cfg.values) * len(ests), "variance", progress)
     for i, value in enumerate(cfg.values):
         gen = generator(cfg.seed, 2, i)
-        mu = behaviour(problem, cfg.staleness, float(value), traj, gen)
+        mu = truncate(behaviour(problem, cfg.staleness, float(value), traj, gen), cfg.top_p, cfg.top_k, cfg.min_p)
         support_mu = problem.support(mu[1], gen, policy=mu[0])
         div_ci = divergence_intervals((problem.policy, theta_pi), mu, support_mu, cfg.ci)
         div = {m: v for m, (v, _, _) in div_ci.items()}
@@ -356,5 +373,6 @@ def run(cfg: Config, progress: bool | None = None) -> StudyResult:
                                                                     support_pi.mask)).sum()),
         best_by_mse={str(e["staleness"]): best_by_mse(e["estimators"]) for e in per_value},
         per_value=[Setting(**e) for e in per_value],
-        config={k: getattr(cfg, k) for k in ("batch_size", "group_size", "advantage", "loss_agg_mode", "replicates")})
+        config={k: getattr(cfg, k) for k in ("batch_size", "group_size", "advantage", "loss_agg_mode", "replicates",
+                                             "top_p", "top_k", "min_p", "mask_replay")})
     return StudyResult(pd.DataFrame(rows), asdict(summary))
