@@ -17,7 +17,8 @@ from lab.typed import build
 
 HERE = Path(__file__).parent
 MODELS = ("transformer", "tabular")
-LABELS = {"transformer": "transformer", "tabular": "tabular (same π₀)"}
+LABELS = {"transformer": "transformer", "tabular": "tabular (same π₀)"}  # column and panel titles
+NOUNS = {"transformer": "transformer", "tabular": "table"}
 
 
 def summary_of(data: dict | Summary) -> Summary:
@@ -114,16 +115,16 @@ def decide(summary: Summary) -> Decisions:
 def headline(name: str, summary: dict) -> str:
     """One line for the gallery: where the corrections differ most, each model's lowest MSE and whether they agree."""
     s = summary_of(summary)
-    d = decide(s)
-    fo = d.focus
-    said = [f"{LABELS[m].split()[0]} {p.estimator} {p.rel_mse[0]:.3g}×‖∇J‖² (KL {p.kl_token:.2g}/token)"
+    fo = decide(s).focus
+    said = [f"{p.estimator} {p.rel_mse[0]:.3g}×‖∇J‖² on the {NOUNS[m]} (KL {p.kl_token:.2g}/token)"
             for m, p in fo.picks.items()]
-    text = f"T={fo.length}, lag {fo.lag}: lowest MSE " + ", ".join(said)
+    text = f"T={fo.length}, lag {fo.lag}, where the corrections differ most: lowest MSE " + ", ".join(said)
     if fo.agree is not None:
-        text += "; the two agree" if fo.agree else "; the toy's ranking does not carry over"
-    below = [m for m, p in fo.picks.items() if not p.beats_zero_update]
+        text += "; the same on both" if fo.agree else "; different winners: the toy's ranking does not carry over"
+    below = [NOUNS[m] for m, p in fo.picks.items() if not p.beats_zero_update]
     if below:
-        text += "; not clearly below a zero update (1×) on the " + " and the ".join(below)
+        whose = "neither" if len(below) == len(fo.picks) > 1 else f"the {below[0]}'s"
+        text += f"; {whose} clearly below a zero update (1×)"
     return text
 
 
