@@ -15,12 +15,14 @@ from lab.engine.staleness import behaviour, optimisation_trajectory
 from lab.errors import LabError
 from lab.estimators.aggregation import AGG_MODES
 from lab.policies import check_device, make_policy, sequence_log_probs
-from lab.studies import real_model_variance as rmv
-from lab.studies import variance
+from lab.studies.real_model_variance import study as rmv
+from lab.studies.variance import study as variance
 
-# every registered estimator the variance study runs, except those whose loss couples a group (a new one is covered
-# without new test code)
-ESTIMATORS = [n for n in estimators.names() if variance.applicable(n) and "group_size" not in estimators.info(n).inputs]
+# every registered estimator the variance study runs that claims to be unbiased on-policy and whose exact expectation
+# the engine computes (no inputs beyond the samples: lab.engine.gradients.exact_direction), so that a new one is
+# covered without new test code
+ESTIMATORS = [n for n in estimators.names() if variance.applicable(n) and not estimators.info(n).inputs
+              and estimators.info(n).unbiased in ("always", "on-policy")]
 TASKS = {"chain3": {"difficulty": 2, "n_prompts": 3}, "sort3": {"difficulty": 2, "n_prompts": 2}}
 
 
@@ -133,34 +135,54 @@ def test_the_table_starts_at_the_transformers_distribution(tmp_path, monkeypatch
     assert torch.allclose(a.exp(), b.exp(), atol=1e-9)
 
 
+def _cell(best_mse, exact):
+    """A cell at lags 0 and 4 where ppo_clip has MSE ``best_mse`` and seq_is 1 more (its bias2 interval covers 0)."""
+    ests = {"seq_is": rmv.Point([best_mse + 1, 0, 9], [0.0, -1.0, 1.0], exact_rel_bias=exact),
+            "ppo_clip": rmv.Point([best_mse, best_mse - 0.1, best_mse + 0.1], [1.0, 0.5, 1.5])}
+    return rmv.Cell("transformer", 2, 10, 1.0, 0.5, {lag: rmv.Lag(0.1, 0.2, [0.9, 0.8, 1.0], ests)
+                                                    for lag in ("0", "4")})
+
+
 def test_findings_read_the_cells():
-    cfg = rmv.Config(lengths=[2], values=[0, 4])
-
-    def cell(best_mse, exact):
-        ests = {"seq_is": {"rel_mse": [best_mse + 1, 0, 9], "bias2": [0.0, -1.0, 1.0], "exact_rel_bias": exact},
-                "ppo_clip": {"rel_mse": [best_mse, best_mse - 0.1, best_mse + 0.1], "bias2": [1.0, 0.5, 1.5]}}
-        return {"per_lag": {"0": {"estimators": ests}, "4": {"estimators": ests}}}
-
-    f = rmv.findings({"transformer/T=2": cell(0.5, 1e-16), "tabular/T=2": cell(0.7, 2e-16)}, cfg)
-    assert f["seq_is_exactly_unbiased"] == {"max_rel_bias": 2e-16, "holds": True}
-    assert f["seq_is_sampled_bias_covers_zero"] == {"settings": 4, "covered": 4}
-    assert f["lowest_mse_at_max_lag"]["transformer/T=2"]["estimator"] == "ppo_clip"
-    assert f["lowest_mse_at_max_lag"]["tabular/T=2"]["beats_zero_update"] is True and f["agree"] == {"2": True}
-    f = rmv.findings({"transformer/T=2": cell(1.5, 0.3)}, cfg)
-    assert f["seq_is_exactly_unbiased"]["holds"] is False
-    assert f["lowest_mse_at_max_lag"]["transformer/T=2"]["beats_zero_update"] is False
+    f = rmv.findings({"transformer/T=2": _cell(0.5, 1e-16), "tabular/T=2": _cell(0.7, 2e-16)}, [0, 4], [2])
+    assert f.seq_is_exactly_unbiased == rmv.Exactness(2e-16, True)
+    assert f.seq_is_sampled_bias_covers_zero == rmv.Coverage(4, 4)
+    assert f.lowest_mse_at_max_lag["transformer/T=2"].estimator == "ppo_clip"
+    assert f.lowest_mse_at_max_lag["tabular/T=2"].beats_zero_update is True and f.agree == {"2": True}
+    f = rmv.findings({"transformer/T=2": _cell(1.5, 0.3)}, [0, 4], [2])
+    assert f.seq_is_exactly_unbiased.holds is False and f.agree == {}
+    assert f.lowest_mse_at_max_lag["transformer/T=2"].beats_zero_update is False
+    cell = _cell(0.5, None)
+    for lag in cell.per_lag.values():
+        lag.estimators["seq_is"].bias2 = [1.0, 0.5, 1.5]  # a sampled bias whose interval misses 0
+    f = rmv.findings({"transformer/T=2": cell}, [0, 4], [2])
+    assert f.seq_is_exactly_unbiased is None and f.seq_is_sampled_bias_covers_zero == rmv.Coverage(2, 0)
 
 
-def test_bad_real_model_settings_are_one_line():
-    with pytest.raises(LabError, match="not a task env"):
-        rmv.Config(env="tiny_target").validate()
-    with pytest.raises(LabError, match="response lengths"):
-        rmv.Config(lengths=[0]).validate()
-    with pytest.raises(LabError, match="unknown model size"):
-        rmv.Config(model="huge").validate()
-    if not torch.cuda.is_available():
-        with pytest.raises(LabError, match="no CUDA device"):
-            rmv.Config(device="cuda").validate()
+@pytest.mark.parametrize("given, match", [
+    ({"env": "tiny_target"}, "not a task env"),
+    ({"lengths": [0]}, "lengths"),
+    ({"lengths": []}, "at least one response length"),
+    ({"lengths": [2, 2]}, "more than once"),
+    ({"env": "add2", "lengths": [1]}, "response lengths of the addition task"),
+    ({"model": "huge"}, "model"),
+    ({"warm_start": 0.0}, "warm_start"),
+    ({"values": [0, 1.5]}, "values"),
+    ({"values": [0, 16]}, "trajectory"),
+    ({"estimators": ["nope"]}, "nope"),
+    ({"batch_size": 60}, "multiple of the group size"),
+])
+def test_bad_real_model_settings_are_one_line(given, match):
+    with pytest.raises(LabError, match=match) as e:
+        rmv.Config(**given).validate()
+    assert "\n" not in str(e.value)
+
+
+def test_no_cuda_is_one_line():
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is present")
+    with pytest.raises(LabError, match="no CUDA device"):
+        rmv.Config(device="cuda").validate()
 
 
 def test_one_device_check_knows_the_cuda_indices():
@@ -185,3 +207,23 @@ def test_the_warm_start_key_covers_the_seeding(monkeypatch):
     monkeypatch.setattr(Path, "read_bytes",
                         lambda self: read(self) + (b"\n# edited" if self == Path(seeding.__file__) else b""))
     assert pretrain.code_version() != before
+
+
+@pytest.mark.slow
+def test_the_warm_start_trained_by_the_study_is_quiet_when_asked(tmp_path, monkeypatch, capfd, one_thread):
+    """progress=False reaches the warm start: from an empty cache the study trains it and prints no progress bar,
+    with the environment's quiet setting off."""
+    monkeypatch.setenv("LAB_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("LAB_QUIET", raising=False)
+    monkeypatch.delenv("CI", raising=False)
+    cfg = rmv.Config(**{**rmv.SMOKE, "replicates": 4, "n_boot": 10, "tabular": False, "exact_directions": False})
+    rmv.run(cfg, progress=False)
+    trained = list((tmp_path / "pretrain").glob("*.pt"))
+    out = capfd.readouterr()
+    assert len(trained) == 1 and out.err == "" and out.out == ""
+
+
+def test_the_reports_smoke_values_are_the_studys():
+    from lab.studies.real_model_variance import STUDY
+
+    assert STUDY.reports[0].smoke == rmv.SMOKE
