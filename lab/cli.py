@@ -95,7 +95,7 @@ def cmd_study(args) -> int:
 def cmd_train(args) -> int:
     from lab.configs import estimator_pairs, from_args, to_dict
     from lab.engine.training import TrainConfig, train
-    from lab.runs import atomic_dir, check_out_dir, write_run, write_run_files
+    from lab.runs import atomic_dir, check_out_dir, write_failed, write_run, write_run_files
 
     nested = estimator_pairs(args.hyper)
     name = args.estimator or TrainConfig.estimator
@@ -110,9 +110,12 @@ def cmd_train(args) -> int:
         result = train(cfg)
         write_run(out, {"command": "train", **to_dict(cfg)}, result.table, result.summary)
     else:  # the log is written inside the run's own staging folder and moves in with it
-        with atomic_dir(out) as stage:
-            result = train(cfg, rollout_log=stage / "rollout_log")
-            write_run_files(stage, {"command": "train", **to_dict(cfg)}, result.table, result.summary)
+        try:
+            with atomic_dir(out) as stage:
+                result = train(cfg, rollout_log=stage / "rollout_log")
+                write_run_files(stage, {"command": "train", **to_dict(cfg)}, result.table, result.summary)
+        except OSError as e:
+            raise write_failed(out, e) from None
     log = args.rollout_log
     print(f"wrote {out} ({len(result.table)} updates{', with its rollout log' if log else ''}); "
           f"{result.summary.get('headline', '')}")

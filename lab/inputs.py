@@ -129,6 +129,11 @@ def load_yaml(path, what: str, **bounds):
     return parse_yaml(read_text(path, what), f"{what} {path}", **bounds)
 
 
+def load_json(path, what: str, max_bytes: int = MAX_BYTES, **bounds):
+    """Plain data from a JSON file: ``read_text`` (at most ``max_bytes``) then ``parse_json``."""
+    return parse_json(read_text(path, what, max_bytes), f"{what} {path}", **bounds)
+
+
 def _no_duplicates(what):
     def hook(items):
         out = {}

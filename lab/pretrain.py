@@ -24,10 +24,9 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import io
 import json
 import math
-import os
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,7 +38,7 @@ import toy_envs
 from lab import seeding
 from lab.configs import seed_arg
 from lab.errors import LabError
-from lab.runs import cache_dir, check_cache_dir
+from lab.runs import MARKER, cache_dir, check_cache_dir, marker, read_marker, write_atomic
 from lab.policies import transformer
 from lab.policies.transformer import (SIZES, TransformerConfig, TransformerPolicy, env_config, parameter_count,
                                       size_config)
@@ -136,8 +135,9 @@ def pretrain(env, size: str = DEFAULT_SIZE, target_accuracy: float = DEFAULT_TAR
     return _checkpoint(record, path, trained=True)
 
 
-def warm_start(env, size: str = DEFAULT_SIZE, target_accuracy: float = DEFAULT_TARGET, max_steps: int = DEFAULT_MAX_STEPS,
-               seed: int = 0, device: str = "cpu", progress: bool | None = None) -> torch.Tensor:
+def warm_start(env, size: str = DEFAULT_SIZE, target_accuracy: float = DEFAULT_TARGET,
+               max_steps: int = DEFAULT_MAX_STEPS, seed: int = 0, device: str = "cpu",
+               progress: bool | None = None) -> torch.Tensor:
     """The warm-start parameters theta (flat, float32, CPU); see ``pretrain``."""
     return pretrain(env, size, target_accuracy, max_steps, seed, device, progress).theta
 
@@ -171,15 +171,14 @@ def _train(env, policy, target, max_steps, seed, device, progress):
 
 
 def _write(path: Path, record: dict) -> None:
+    """The checkpoint, written atomically (``lab.runs.write_atomic``) into the cache's folder, which carries the
+    lab's marker: the temporary file of a killed run is removed by the next write."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save(record, f)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    if read_marker(path.parent) is None:
+        write_atomic(path.parent / MARKER, json.dumps(marker("cache")) + "\n")
+    buffer = io.BytesIO()
+    torch.save(record, buffer)
+    write_atomic(path, buffer.getvalue())
 
 
 def load(path: Path, config: dict | None = None) -> Checkpoint:

@@ -230,6 +230,14 @@ def staging_dir(dest: Path, kind: str) -> Path:
     return tmp
 
 
+def scratch_dir(name: str) -> Path:
+    """A private working folder in the system's temporary folder (``.NAME.lab-XXXXXXXX``), marked like a staging
+    folder: the caller removes it, and one left by a killed process is removed by the next call for ``name``."""
+    tmp = staging_dir(Path(tempfile.gettempdir()) / name, kind="scratch")
+    tmp.chmod(0o700)
+    return tmp
+
+
 @contextmanager
 def atomic_dir(dest: Path, kind: str = "run"):
     """Yield a staging folder for ``dest``; on success it is renamed onto ``dest`` (an existing ``dest``, which must
@@ -247,6 +255,21 @@ def atomic_dir(dest: Path, kind: str = "run"):
         raise
 
 
+def os_error_text(e: OSError) -> str:
+    """Why a write failed, in a few words ("the disk is full" for ENOSPC, also as pyarrow words it)."""
+    text = str(e).splitlines()[0] if str(e) else type(e).__name__
+    if e.errno == errno.ENOSPC or "[errno 28]" in text.lower():
+        return "the disk is full"
+    return e.strerror or text
+
+
+def write_failed(out: Path, e: OSError) -> LabError:
+    """The one line for a run folder that could not be written (its staging folder is removed by then)."""
+    return LabError(f"cannot write the run folder {out} ({os_error_text(e)}); nothing was written"
+                    + (" and the previous run is kept" if Path(out).exists() else "")
+                    + ": free the space or choose another --out")
+
+
 def write_run(out: Path, config: dict, results: pd.DataFrame, summary: dict, extra: dict | None = None) -> Path:
     """Write a run folder atomically; ``extra`` maps file names to callables writing them (given the path)."""
     out = Path(out)
@@ -255,8 +278,7 @@ def write_run(out: Path, config: dict, results: pd.DataFrame, summary: dict, ext
         with atomic_dir(out) as tmp:
             write_run_files(tmp, config, results, summary, extra)
     except OSError as e:
-        raise LabError(f"cannot write the run folder {out} ({e.strerror or e}); nothing was written"
-                       + (" and the previous run is kept" if out.exists() else "")) from None
+        raise write_failed(out, e) from None
     return out
 
 
@@ -323,14 +345,16 @@ def _file_owned(path: Path) -> bool:
         return False
 
 
-def write_atomic(dest: Path, text: str, mode: int = 0o644) -> None:
-    """Write ``text`` to ``dest`` through an exclusively created temporary file in the same folder, then rename."""
+def write_atomic(dest: Path, text: str | bytes, mode: int = 0o644) -> None:
+    """Write ``text`` (or bytes) to ``dest`` through an exclusively created temporary file in the same folder, then
+    rename."""
     dest = Path(dest)
     clean_leftovers(dest.parent, dest.name)
     pid = os.getpid()
     fd, tmp = tempfile.mkstemp(prefix=f".{dest.name}{STAGING}{pid}.{_start_time(pid)}.", dir=dest.parent)
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
+        with os.fdopen(fd, "wb" if isinstance(text, bytes) else "w", **({} if isinstance(text, bytes) else
+                                                                          {"encoding": "utf-8"})) as f:
             f.write(text)
         os.chmod(tmp, mode)
         os.replace(tmp, dest)

@@ -1,10 +1,14 @@
 """Bad input found at the edges of the command line: one clear line, exit 2, nothing left behind, before any work."""
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from lab.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def one_line(capsys, needle: str) -> None:
@@ -63,3 +67,24 @@ def test_a_sweep_whose_only_cell_fails_leaves_no_folder_and_says_so(tmp_path, mo
     assert main(["sweep", "s.yaml", "--workers", "1"]) == 2
     one_line(capsys, "nothing was written")
     assert os.listdir(tmp_path) == ["s.yaml"]
+
+
+def _full_disk(tmp_path, cmd: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    """``cmd`` with writes limited to 4 kB (RLIMIT_FSIZE: EFBIG, as a full disk's ENOSPC)."""
+    code = ("import resource, signal, sys\nsignal.signal(signal.SIGXFSZ, signal.SIG_IGN)\n"
+            "from lab.cli import main\nresource.setrlimit(resource.RLIMIT_FSIZE, (4000, 4000))\n"
+            f"sys.exit(main({cmd!r}))")
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=cwd,
+                          env={**os.environ, "LAB_QUIET": "1", "PYTHONPATH": str(ROOT)})
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cmd", [["train", "--steps", "2", "--rollout-log", "--out", "run"],
+                                 ["sweep", "s.yaml", "--workers", "1", "--out", "run"]])
+def test_a_write_failure_mid_run_is_one_line_and_leaves_nothing(cmd, tmp_path):
+    (tmp_path / "s.yaml").write_text("name: s\nbase: {steps: 2, rollout_batch: 64}\ngrid: {seed: [0]}\n")
+    p = _full_disk(tmp_path, cmd, tmp_path)
+    lines = p.stderr.strip().splitlines()
+    assert p.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: cannot write"), p.stderr
+    assert "nothing was written" in lines[0]
+    assert sorted(os.listdir(tmp_path)) == ["s.yaml"]

@@ -72,13 +72,13 @@ def test_write_errors_leave_nothing(tmp_path, capsys, monkeypatch, error):
     import lab.runs
 
     log = lab_log(tmp_path / "log", -torch.rand(2, 3), -torch.rand(2, 3))
-    real = lab.runs.write_run
+    real = lab.runs.write_run_files
 
     def failing(dest, *a, **k):
         real(dest, *a, **k)
         raise OSError(error, "No space left on device" if error == errno.ENOSPC else "I/O error", str(dest))
 
-    monkeypatch.setattr(lab.runs, "write_run", failing)
+    monkeypatch.setattr(lab.runs, "write_run_files", failing)
     before = sorted(p.name for p in tmp_path.iterdir())
     err = one_line(capsys, main([str(log), "--out", str(tmp_path / "run")]))
     assert "nothing was written" in err and ("disk is full" in err) == (error == errno.ENOSPC)

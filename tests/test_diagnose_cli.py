@@ -184,11 +184,11 @@ def test_no_partial_output(prime, tmp_path, capsys, monkeypatch):
 
     save, out = tmp_path / "new" / "neutral", tmp_path / "new" / "run"
 
-    def broken_write_run(*a, **k):
+    def broken_write_run_files(*a, **k):
         raise LabError("disk full")
 
     with monkeypatch.context() as m:
-        m.setattr(lab.runs, "write_run", broken_write_run)
+        m.setattr(lab.runs, "write_run_files", broken_write_run_files)
         assert main(["--from", "prime-rl", str(prime), "--save-log", str(save), "--out", str(out)]) == 2
     captured = capsys.readouterr()
     assert captured.out == "" and captured.err.strip() == "error: disk full"

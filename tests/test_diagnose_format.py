@@ -152,7 +152,7 @@ def test_malformed_column_and_metadata(tmp_path):
     with pytest.raises(LabError, match="at least two"):
         RolloutLog(path2)
     (path2 / "meta.json").write_text("{not json")
-    with pytest.raises(LabError, match="meta.json: not valid JSON"):
+    with pytest.raises(LabError, match="meta.json is not valid JSON"):
         RolloutLog(path2)
     with pytest.raises(LabError, match="no such file"):
         RolloutLog(tmp_path / "absent")

@@ -374,3 +374,104 @@ def test_a_sweep_record_edited_to_explode_is_refused(tmp_path):
     (out / "sweep.json").write_text("[" * 100 + "]" * 100)
     with pytest.raises(LabError, match="nests deeper"):
         load_results(out)
+
+
+# ---------------------------------------------------------------------------------------------- files read back
+def _neutral_log(tmp_path: Path) -> Path:
+    out = tmp_path / "run"
+    assert main(["train", "--steps", "1", "--rollout-log", "--out", str(out)]) == 0
+    return out / "rollout_log"
+
+
+@pytest.mark.parametrize("meta, needle", [
+    ("[" * 200_000 + "]" * 200_000, "nests deeper"),
+    ('{"format": "rollout-log", "format": "rollout-log"}', "gives the key 'format' twice"),
+    (None, "is a folder"),
+])
+def test_rollout_log_metadata_is_bounded_plain_data(meta, needle, tmp_path, capsys):
+    log = _neutral_log(tmp_path)
+    (log / "meta.json").unlink()
+    if meta is None:
+        (log / "meta.json").mkdir()
+    else:
+        (log / "meta.json").write_text(meta)
+    capsys.readouterr()
+    assert main(["diagnose", str(log), "--out", str(tmp_path / "d")]) == 2
+    one_line(capsys, needle)
+    assert not (tmp_path / "d").exists()
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--chunk-rows", str(10**20)], "chunk_rows must be a whole number from 1 to"),
+    (["--top-k", str(10**11)], "--top-k must be from -1 to"),
+    (["--temperature", "nan"], "--temperature must be above 0"),
+    (["-H", "tis_token.cap=" + "[" * 5000 + "]" * 5000], "cap must be"),
+])
+def test_diagnose_options_are_bounded_like_the_report(argv, needle, tmp_path, capsys):
+    log = _neutral_log(tmp_path)
+    capsys.readouterr()
+    assert main(["diagnose", str(log), *argv]) == 2
+    line = one_line(capsys, needle)
+    assert len(line) < 300  # a huge value is not echoed whole
+
+
+def test_the_gallery_reads_only_report_folders_the_lab_wrote_and_survives_broken_ones(tmp_path):
+    from lab.reports.gallery import write_index
+    from lab.runs import marker
+
+    root = tmp_path / "r"
+    for name, owned in (("variance", True), ("mismatch", False)):
+        folder = root / name
+        folder.mkdir(parents=True)
+        (folder / f"{name}.html").write_text("<html></html>")
+        (folder / "summary.json").write_text("[" * 100_000 + "]" * 100_000)
+        (folder / f"{name}.ipynb").write_text("{not json")
+        (folder / "config.json").write_text("[1]")
+        if owned:
+            (folder / ".lab").write_text(json.dumps(marker("report")))
+    page = write_index(root).read_text()
+    assert 'href="variance/variance.html"' in page and "mismatch/mismatch.html" not in page
+    assert "no headline" in page
+
+
+def test_a_sweep_cell_summary_edited_to_explode_is_one_line(tmp_path):
+    from lab.engine.sweep import load_results, load_spec, run_sweep
+
+    spec = tmp_path / "s.yaml"
+    spec.write_text("name: s\nbase: {steps: 1}\ngrid: {seed: [0]}\n")
+    run_sweep(load_spec(spec), tmp_path / "out", workers=1, progress=False)
+    (cell,) = (tmp_path / "out" / "cells").iterdir()
+    (cell / "summary.json").write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(LabError, match="nests deeper"):
+        load_results(tmp_path / "out")
+
+
+def test_a_broken_study_folder_of_ones_own_is_one_line(tmp_path):
+    bad = tmp_path / "studies" / "mine"
+    bad.mkdir(parents=True)
+    (bad / "__init__.py").write_text("raise RuntimeError('broken on purpose')\n")
+    p = subprocess.run([sys.executable, "-m", "lab.cli", "report", "variance", "--params"], capture_output=True,
+                       text=True, cwd=ROOT, env={**os.environ, "LAB_STUDIES_PATH": str(tmp_path / "studies")})
+    lines = p.stderr.strip().splitlines()
+    assert p.returncode == 2 and len(lines) == 1 and "cannot be imported (RuntimeError: broken on purpose)" in lines[0]
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["train", "--set", "vocab_size=100000", "--set", "length=1", "--steps", "1"], "GiB"),
+    (["train", "--policy", "markov", "--set", "vocab_size=20000", "--set", "length=1", "--set", "n_prompts=1"], "GiB"),
+    (["variance", "--set", "vocab_size=100000", "--set", "length=1", "--replicates", "4", "--batch-size", "4",
+      "--group-size", "4", "--values", "0"], "logits per pass"),
+])
+def test_runs_too_large_for_memory_or_time_are_refused_before_any_work(argv, needle, tmp_path, capsys):
+    t0 = time.perf_counter()
+    assert main([*argv, "--out", str(tmp_path / "out")]) == 2
+    one_line(capsys, needle)
+    assert time.perf_counter() - t0 < 10 and not (tmp_path / "out").exists()
+
+
+def test_a_sweep_cell_given_twice_as_int_and_float_hyper_parameters_is_refused(tmp_path, capsys):
+    (tmp_path / "s.yaml").write_text("name: s\nbase: {steps: 1, estimator: tis_token}\n"
+                                     "grid: {hyper: [{cap: 2}, {cap: 2.0}]}\n")
+    assert main(["sweep", str(tmp_path / "s.yaml"), "--out", str(tmp_path / "out")]) == 2
+    one_line(capsys, "are the same config")
+    assert not (tmp_path / "out").exists()

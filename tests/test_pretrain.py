@@ -61,7 +61,7 @@ def test_warm_start_reaches_its_target_and_is_reused(cache, env, monkeypatch):
     assert not again.trained and again.path == ck.path and torch.equal(again.theta, ck.theta)
     assert again.accuracy == ck.accuracy and again.steps == ck.steps
     assert torch.equal(pt.warm_start(env, "test", TARGET, seed=0), ck.theta)
-    assert _files(cache) == [ck.path]  # no temporary files left
+    assert _files(cache) == [ck.path.parent / ".lab", ck.path]  # the folder's marker; no temporary files left
 
 
 def test_the_key_covers_the_config(cache, env):

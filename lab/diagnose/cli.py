@@ -17,12 +17,11 @@ import json
 import os
 import shutil
 import sys
-import tempfile
 from pathlib import Path
 
 from lab.configs import seed_arg
 from lab.errors import LabError
-from lab.runs import remove_empty
+from lab.runs import remove_empty, scratch_dir, staging_dir
 
 TABLES = ("per_step", "overall", "by_probability", "by_length", "growth", "staleness", "corrections", "truncation",
           "histograms", "dashboards")
@@ -85,9 +84,20 @@ def parse_hyper(items) -> dict:
     return out
 
 
+SAMPLING_RANGES = {"temperature": (0, 1000), "top_p": (0, 1), "top_k": (-1, 10_000_000)}  # the report's ranges
+
+
 def _sampling(args) -> dict:
-    return {k: v for k, v in (("temperature", args.temperature), ("top_p", args.top_p), ("top_k", args.top_k))
-            if v is not None}
+    """The sampler settings given on the command line: temperature in (0, 1000], top-p in (0, 1], top-k from -1 to
+    10^7 (0 or -1: none)."""
+    out = {k: v for k, v in (("temperature", args.temperature), ("top_p", args.top_p), ("top_k", args.top_k))
+           if v is not None}
+    for k, v in out.items():
+        lo, hi = SAMPLING_RANGES[k]
+        if not (lo <= v <= hi if k == "top_k" else lo < v <= hi):  # NaN fails both
+            raise LabError(f"--{k.replace('_', '-')} must be {'from' if k == 'top_k' else 'above'} {lo} "
+                           f"{'to' if k == 'top_k' else 'and at most'} {hi:,}, got {v}")
+    return out
 
 
 def plain(obj):
@@ -168,7 +178,7 @@ class Outputs:
         try:
             for d in dests:
                 d.parent.mkdir(parents=True, exist_ok=True)
-                self._stages[d] = Path(tempfile.mkdtemp(prefix=f".{d.name}.", dir=d.parent))
+                self._stages[d] = staging_dir(d, kind="staging")  # marked: a kill -9's is removed by the next run
         except BaseException:
             self.close()
             raise
@@ -247,7 +257,7 @@ def run(args) -> int:
             if args.save_log is not None:
                 dest = outputs.stage(args.save_log)
             else:
-                scratch = Path(tempfile.mkdtemp(prefix=".lab-diagnose."))
+                scratch = scratch_dir("lab-diagnose")
                 dest = scratch / "log"
             log = RolloutLog(source.convert(args.path, dest, trust=args.trust_pickle, sampling=sampling))
         diag = diagnose(log, nan=args.nan, pair=args.pair, hyper=hyper, chunk_rows=args.chunk_rows, seed=args.seed)
@@ -270,14 +280,15 @@ def run(args) -> int:
 
 
 def _write_out(dest: Path, args, hyper: dict, sampling: dict, log, diag) -> None:
-    from lab.runs import write_run
+    from lab.runs import atomic_dir, write_run_files
 
     config = {"command": "diagnose", "from": args.fmt, "path": str(args.path), "nan": args.nan,
               "pair": args.pair, "hyper": hyper, "sampling_overrides": sampling, "chunk_rows": args.chunk_rows,
               "seed": args.seed, "log_meta": plain(log.meta)}
     extra = {f"{name}.parquet": (lambda p, df=diag.tables[name]: df.to_parquet(p, index=False))
              for name in TABLES if name in diag.tables}
-    write_run(dest, config, diag.tables["results"], plain(diag.summary), extra=extra)
+    with atomic_dir(dest) as stage:  # an OSError (a full disk) reaches run(), which says it in one line
+        write_run_files(stage, config, diag.tables["results"], plain(diag.summary), extra=extra)
 
 
 def _os_error_text(e: OSError, source: Path) -> str:

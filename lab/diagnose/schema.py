@@ -16,13 +16,13 @@ column (and the row, for value checks).
 """
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
 import pyarrow as pa
 
 from lab.errors import LabError
+from lab.inputs import load_json
 
 FORMAT = "rollout-log"
 FORMAT_VERSION = 1
@@ -168,11 +168,7 @@ def read_meta(folder: Path) -> dict:
     file = Path(folder) / META
     if not file.exists():
         raise LabError(f"{file}: no such file; a neutral rollout log is a folder with {TOKENS}, {SEQUENCES} and {META}")
-    try:
-        meta = json.loads(file.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise LabError(f"{file}: not valid JSON ({e})") from None
-    return check_meta(meta, file)
+    return check_meta(load_json(file, "rollout log metadata"), file)  # plain data, bounded (lab.inputs)
 
 
 def truncated_sampling(meta: dict) -> bool:

@@ -48,6 +48,7 @@ KHAT_WARN = 0.7
 QS = (0.01, 0.05, 0.5, 0.95, 0.99)
 LOGP_MAX = 0.1  # a log-prob above this (probability above 1.105) is no rounding of a log-softmax: bad input
 CHUNK_ROWS = 1 << 16  # token rows per chunk: its arrays stay in the CPU's cache
+CHUNK_ROWS_MAX = 1 << 24  # the most token rows a chunk may hold (a few GiB of float64 arrays)
 
 
 def pairs_of(logp_columns) -> list[str]:
@@ -526,8 +527,8 @@ def check_options(nan: str = "error", pair: str = "natural", chunk_rows: int = 1
         raise LabError(f"nan must be 'error' or 'drop', got {nan!r}")
     if pair not in ("natural", "total", "mismatch", "update"):
         raise LabError(f"pair must be natural, total, mismatch or update, got {pair!r}")
-    if int(chunk_rows) < 1:
-        raise LabError(f"chunk_rows must be a positive integer, got {chunk_rows!r}")
+    if isinstance(chunk_rows, bool) or not isinstance(chunk_rows, int) or not 1 <= chunk_rows <= CHUNK_ROWS_MAX:
+        raise LabError(f"chunk_rows must be a whole number from 1 to {CHUNK_ROWS_MAX:,}, got {chunk_rows!r}")
 
 
 @contextmanager

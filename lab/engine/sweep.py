@@ -4,8 +4,9 @@ machine or a cluster), one folder per cell.
 A spec (YAML: ``name``, ``kind``, ``base``, ``grid``) gives what a cell runs (``kind``: ``train``, the RL training
 simulator's ``TrainConfig``, the default; ``distill``, on-policy distillation's ``DistillConfig``; see
 ``CELL_KINDS``), the fields shared by every cell (``base``) and, per grid key, the values to sweep; the cells are the
-product of the grid's lists, in the spec's key order. Every cell is resolved to a full config (defaults filled in, whole numbers given for float fields made floats) and every cell is
-validated before any runs, so a typo fails in a second, not an hour in.
+product of the grid's lists, in the spec's key order. Every cell is resolved to a full config (defaults filled in,
+whole numbers given for float fields made floats, in estimator hyper-parameters too) and every cell is validated
+before any runs, so a typo fails in a second, not an hour in.
 
 Layout of ``out_dir``::
 
@@ -51,10 +52,10 @@ import pandas as pd
 import torch
 
 from lab.errors import LabError
-from lab.inputs import MAX_BYTES, load_yaml, parse_json, read_text
+from lab.inputs import MAX_BYTES, load_json, load_yaml
 from lab.progress import bar
-from lab.runs import (MARKER, jsonable, atomic_dir, check_out_dir, clean_leftovers, exclusive_lock, git_revision, marker,
-                      package_versions, read_marker, remove_empty, write_atomic, write_json)
+from lab.runs import (MARKER, jsonable, atomic_dir, check_out_dir, clean_leftovers, exclusive_lock, git_revision,
+                      marker, os_error_text, package_versions, read_marker, remove_empty, write_atomic, write_json)
 
 EXECUTORS = ("local", "ray")
 MAX_CELLS = 10_000  # cells in one spec (each is validated before any runs)
@@ -158,7 +159,23 @@ def resolve(config: dict, kind: str = "train") -> dict:
     if bad:
         raise LabError(f"{', '.join(bad)} are not {config_cls.__name__} fields")
     defaults = asdict(config_cls())
-    return asdict(config_cls(**{k: _coerce(defaults, k, v) for k, v in config.items()}))
+    resolved = asdict(config_cls(**{k: _coerce(defaults, k, v) for k, v in config.items()}))
+    if isinstance(resolved.get("hyper"), dict) and isinstance(resolved.get("estimator"), str):
+        resolved["hyper"] = _hyper(resolved["estimator"], resolved["hyper"])
+    return resolved
+
+
+def _hyper(name: str, hyper: dict) -> dict:
+    """An estimator's hyper-parameters with whole numbers given for its float ones made floats, so that
+    ``{cap: 2}`` and ``{cap: 2.0}`` are one cell (an unknown estimator is left for ``validate`` to report)."""
+    from lab import estimators
+
+    try:
+        defaults = estimators.info(name).defaults
+    except (LabError, KeyError):
+        return hyper
+    return {k: float(v) if isinstance(defaults.get(k), float) and isinstance(v, int) and not isinstance(v, bool)
+            else v for k, v in hyper.items()}
 
 
 def _label(cell: dict, keys) -> str:
@@ -200,7 +217,14 @@ def cell_id(config: dict, kind: str = "train") -> str:
 def _die_with(lifeline) -> None:
     """Worker initializer: exit as soon as the driver is gone, whatever its state. ``lifeline`` is the read end of a
     pipe whose only write end the driver holds; the kernel closes it when the driver exits (a kill -9 and a zombie
-    driver included), and the read then ends. (A pid probe would take a zombie, or a reused pid, for alive.)"""
+    driver included), and the read then ends. (A pid probe would take a zombie, or a reused pid, for alive.)
+    Progress bars in a worker lock with a thread lock: tqdm's default interprocess lock is a named semaphore that a
+    worker ended this way never releases, and the resource tracker would print a warning after the driver's last
+    line."""
+    from tqdm import tqdm
+
+    tqdm.set_lock(threading.RLock())
+
     def watch():
         try:
             lifeline.recv_bytes()
@@ -365,7 +389,7 @@ def run_sweep(spec: SweepSpec, out_dir, executor: str = "local", workers: int | 
     _check_folder(out, spec, ids)
     created = [p for p in (out.absolute(), *out.absolute().parents) if not p.exists()]  # innermost first
     meta = {"versions": package_versions(), "git_revision": git_revision()}
-    failed, done, skipped, todo = [], 0, 0, []
+    failed, done, skipped, todo, failed_write = [], 0, 0, [], None
     try:
         with _prepare(out, spec, meta) as cells:
             todo = [i for i, cid in enumerate(ids) if not _done(cells, cid)]
@@ -388,12 +412,16 @@ def run_sweep(spec: SweepSpec, out_dir, executor: str = "local", workers: int | 
                                 done += 1
                             cells_bar.update(1)
     except OSError as e:
-        raise LabError(f"cannot write the sweep folder {out} ({e.strerror or e}); the finished cells are kept, "
-                       f"rerun to resume") from None
+        failed_write = e
     finally:
         if created and not any((out / "cells").glob("[!.]*")):  # this run made the folder and finished nothing
             shutil.rmtree(out, ignore_errors=True)
             remove_empty(created[1:])
+    if failed_write is not None:
+        kept = (f"the {done + skipped} finished cells are kept, rerun to resume" if out.exists() else
+                "nothing was written")
+        raise LabError(f"cannot write the sweep folder {out} ({os_error_text(failed_write)}); {kept}: free the "
+                       f"space or choose another --out")
     if failed:
         i, err = failed[0]
         kept = (f"the {done + skipped} finished cells are saved in {out}, rerun to retry the rest" if out.exists()
@@ -419,7 +447,7 @@ def load_results(out_dir) -> tuple[pd.DataFrame, pd.DataFrame]:
     out = Path(out_dir)
     if not (out / "sweep.json").is_file():
         raise LabError(f"{out} is not a sweep folder (no sweep.json); run `lab sweep SPEC.yaml --out {out}` first")
-    meta = parse_json(read_text(out / "sweep.json", "sweep record", max_bytes=16 * MAX_BYTES), f"{out}/sweep.json")
+    meta = load_json(out / "sweep.json", "sweep record", max_bytes=16 * MAX_BYTES)
     if not isinstance(meta, dict) or not {"name", "base", "grid"} <= set(meta):
         raise LabError(f"{out}/sweep.json is not a sweep record (name, base, grid); rerun the sweep into a new folder")
     spec = SweepSpec(meta["name"], meta["base"] or {}, meta["grid"] or {}, meta.get("kind", "train"))
@@ -436,7 +464,9 @@ def load_results(out_dir) -> tuple[pd.DataFrame, pd.DataFrame]:
         table = pd.read_parquet(folder / "steps.parquet")
         table = table.drop(columns=[k for k in grid if k in table.columns])
         steps.append(pd.concat([pd.DataFrame(grid, index=table.index), table], axis=1))
-        summary = json.loads((folder / "summary.json").read_text())
+        summary = load_json(folder / "summary.json", "sweep cell summary")
+        if not isinstance(summary, dict):
+            raise LabError(f"{folder}/summary.json is not a cell summary; remove the cell folder and rerun the sweep")
         row = {_RENAMED.get(k, k): v for k, v in summary.items()
                if k not in grid and k != "study" and not isinstance(v, (dict, list))}
         row["collapsed"] = summary.get("first_collapse_update") is not None

@@ -282,8 +282,9 @@ class TrainConfig:
         mb = self.rollout_batch // self.minibatches
         need = self.rollout_memory(policy)
         if need > ROLLOUT_MEMORY_BUDGET:
-            raise LabError(f"a rollout batch of {self.rollout_batch} needs about {need / 2**30:.1f} GiB (budget "
-                           f"{ROLLOUT_MEMORY_BUDGET / 2**30:.0f} GiB); use a smaller rollout batch")
+            raise LabError(f"this run needs about {need / 2**30:.1f} GiB (budget {ROLLOUT_MEMORY_BUDGET / 2**30:.0f} "
+                           f"GiB: its rollout batch, parameters and exact metrics); use a smaller rollout batch, "
+                           f"vocabulary, length or env")
         if est.needs_groups:
             if self.group_size < 2:
                 raise LabError(f"estimator {self.estimator!r} needs groups of at least 2 responses per prompt; "
@@ -293,10 +294,18 @@ class TrainConfig:
                                f"{mb} is not a multiple of the group size {self.group_size}; use fewer mini-batches")
 
     def rollout_memory(self, policy=None) -> int:
-        """Bytes a rollout batch needs at least: its logits, log-softmax and their gradients (4 x B T V float64) and,
-        for a network, the activations its update keeps (about 16 floats per width, layer and position)."""
+        """Bytes a run needs at least: a rollout batch's logits, log-softmax and their gradients (4 x B T V float64)
+        and, for a network, the activations its update keeps (about 16 floats per width, layer and position); the
+        parameters with their gradient, Adam's two moments and the snapshots a lag keeps ((4 + lag_max) x D
+        float64); and, for exact metrics, the enumeration's logits and log-softmax (2 x pairs T V float64, one pass
+        over every pair)."""
         env = self.make_env()
         need = 4 * self.rollout_batch * env.length * env.vocab_size * 8
+        if policy is not None or not kind(self.policy).network:
+            D = math.prod((policy or self.problem().policy).shape)
+            need += (4 + (self.lag_max if self.regime == "async" else 0)) * D * 8
+        if not self.task_metrics:
+            need += 2 * env.num_pairs * env.length * env.vocab_size * 8
         if kind(self.policy).network:
             positions = env.length + getattr(env, "prompt_length", 0)
             if self.policy == "transformer":

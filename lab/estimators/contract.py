@@ -114,7 +114,9 @@ def check_values(name: str, domains: dict, hyper: dict, check: Callable | None =
     for key, value in hyper.items():
         domain = domains.get(key)
         if domain is not None and not domain.admits(value):
-            raise LabError(f"estimator {name!r}: {key} must be {domain.describe()}, got {value!r}")
+            shown = repr(value)
+            raise LabError(f"estimator {name!r}: {key} must be {domain.describe()}, got "
+                           f"{shown if len(shown) <= 60 else shown[:57] + '...'}")
     if check is not None:
         problem = check(hyper)
         if problem:

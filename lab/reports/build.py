@@ -33,7 +33,7 @@ from lab.reports.catalog import REPO_ROOT, catalog, get
 from lab.reports.gallery import write_index
 from lab.reports.html import export_html, stamp
 from lab.runs import (MARKER, RUN_FILES, atomic_dir, cache_dir, check_out_dir, exclusive_lock, remove_empty,
-                      write_atomic)
+                      scratch_dir, write_atomic)
 
 
 def failed_reports_dir() -> Path:
@@ -202,7 +202,8 @@ def run_all(out_root: Path = Path("reports"), workers: int = 1, on_event=None, s
         env["OMP_NUM_THREADS"] = "1"
     failed, paths, running = {}, {}, {}
     todo = list(names)
-    with tempfile.TemporaryDirectory(prefix="lab-gallery-") as scratch:
+    scratch = scratch_dir("lab-gallery") if params else None  # parameter files (a killed gallery's: by the next)
+    try:
         def start(name: str):
             argv = [sys.executable, "-m", "lab.cli", "report", name, "--out", str(out_root)]
             if smoke:
@@ -242,6 +243,9 @@ def run_all(out_root: Path = Path("reports"), workers: int = 1, on_event=None, s
             for proc, _ in running.values():
                 proc.wait()
             raise
+    finally:
+        if scratch is not None:
+            shutil.rmtree(scratch, ignore_errors=True)
     index = write_index(out_root)
     if failed:
         raise LabError(f"{len(failed)} of {len(names)} reports failed ({'; '.join(failed.values())}); the gallery "

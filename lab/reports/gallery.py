@@ -3,19 +3,19 @@ headline (the study's ``headline(name, summary)``), its first figure, its proven
 from __future__ import annotations
 
 import html
-import json
 from pathlib import Path
 
+from lab.inputs import load_json
 from lab.reports.catalog import catalog
 from lab.reports.html import file_links, provenance, provenance_line, thumbnail
-from lab.runs import FILE_MARK, write_file
+from lab.runs import FILE_MARK, owned, write_file
 
 
 def _card(report, folder: Path) -> str:
     name = report.name
     try:
-        headline = report.headline_of(json.loads((folder / "summary.json").read_text()))
-    except (OSError, KeyError, ValueError, TypeError, IndexError) as e:
+        headline = report.headline_of(load_json(folder / "summary.json", "summary", max_bytes=64 << 20))
+    except (OSError, KeyError, ValueError, TypeError, IndexError, AttributeError) as e:  # LabError included
         headline = f"(no headline: {type(e).__name__})"
     thumb = thumbnail(folder / f"{name}.ipynb")
     img = (f'<a href="{name}/{name}.html"><img src="data:image/png;base64,{thumb}" '
@@ -27,9 +27,11 @@ def _card(report, folder: Path) -> str:
 
 
 def write_index(out_root: Path = Path("reports")) -> Path:
-    """Write ``out_root/index.html`` (only over a page the lab wrote) with a card per built report."""
+    """Write ``out_root/index.html`` (only over a page the lab wrote) with a card per built report (a report folder
+    the lab wrote: its marker, not just its name)."""
     out_root = Path(out_root)
-    cards = [_card(r, out_root / r.name) for r in catalog().values() if (out_root / r.name / f"{r.name}.html").exists()]
+    cards = [_card(r, out_root / r.name) for r in catalog().values()
+             if (out_root / r.name / f"{r.name}.html").is_file() and owned(out_root / r.name, {"report"})]
     page = f"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8">{FILE_MARK}<title>Off-policy variance lab: reports</title>
 <style>

@@ -7,7 +7,11 @@ import json
 import re
 from pathlib import Path
 
+from lab.inputs import load_json
 from lab.runs import RUN_FILES
+
+NOTEBOOK_BYTES = 512 << 20  # an executed notebook with its figures (read back for the gallery, bounded)
+NOTEBOOK_NODES = 10_000_000
 
 _WIDGET = "application/vnd.jupyter.widget-view+json"
 _SCRIPTS = re.compile(r"<script\b.*?</script>", re.I | re.S)  # MathJax, require.js, mermaid: all from CDNs
@@ -78,14 +82,14 @@ def provenance(folder: Path, name: str) -> dict:
     (those that differ from the report's defaults)."""
     out = {"date": "", "version": "", "revision": "", "parameters": {}}
     try:
-        config = json.loads((folder / "config.json").read_text())
-        out["version"] = (config.get("versions") or {}).get("offpolicy-variance-lab") or ""
-        out["revision"] = (config.get("git_revision") or "")[:12]
-        nb = json.loads((folder / f"{name}.ipynb").read_text())
+        config = load_json(folder / "config.json", "run config")
+        out["version"] = str((config.get("versions") or {}).get("offpolicy-variance-lab") or "")
+        out["revision"] = str(config.get("git_revision") or "")[:12]
+        nb = load_json(folder / f"{name}.ipynb", "notebook", NOTEBOOK_BYTES, max_nodes=NOTEBOOK_NODES)
         meta = nb.get("metadata", {})
-        out["date"] = (meta.get("papermill", {}).get("end_time") or "")[:16].replace("T", " ")
+        out["date"] = str(meta.get("papermill", {}).get("end_time") or "")[:16].replace("T", " ")
         out["parameters"] = dict(meta.get("lab", {}).get("given") or {})
-    except (OSError, ValueError):
+    except (OSError, ValueError, AttributeError, TypeError):  # LabError included: a folder edited by hand
         pass
     return out
 
@@ -103,10 +107,12 @@ def file_links(name: str, page: str = "", prefix: str = "") -> str:
 
 def thumbnail(notebook: Path) -> str | None:
     """The first PNG output of an executed notebook, base64."""
-    nb = json.loads(notebook.read_text())
-    for cell in nb["cells"]:
-        for out in cell.get("outputs", []):
-            png = out.get("data", {}).get("image/png")
-            if png:
-                return "".join(png).strip()
+    try:
+        for cell in load_json(notebook, "notebook", NOTEBOOK_BYTES, max_nodes=NOTEBOOK_NODES)["cells"]:
+            for out in cell.get("outputs", []):
+                png = out.get("data", {}).get("image/png")
+                if png:
+                    return "".join(png).strip()
+    except (OSError, ValueError, KeyError, AttributeError, TypeError):  # LabError included: not a notebook
+        return None
     return None

@@ -68,11 +68,22 @@ def studies() -> dict[str, Study]:
     for info in sorted(pkgutil.iter_modules(__path__), key=lambda i: i.name):
         if not info.ispkg or info.name.startswith("_"):
             continue
-        mod = importlib.import_module(f"{__name__}.{info.name}")
+        try:
+            mod = importlib.import_module(f"{__name__}.{info.name}")
+        except Exception as e:  # noqa: BLE001 - a study folder of one's own (LAB_STUDIES_PATH) can fail in any way
+            from lab.errors import LabError
+
+            where = getattr(info.module_finder, "path", "lab/studies")
+            raise LabError(f"the study folder {where}/{info.name} cannot be imported ({type(e).__name__}: "
+                           f"{str(e).splitlines()[0] if str(e) else ''}); fix it, or take its folder off "
+                           f"LAB_STUDIES_PATH") from None
         study = getattr(mod, "STUDY", None)
         if isinstance(study, Study):
             if study.name != info.name:
-                raise ValueError(f"lab/studies/{info.name}: STUDY is named {study.name!r}; name it after its folder")
+                from lab.errors import LabError
+
+                raise LabError(f"{Path(mod.__file__).parent}: STUDY is named {study.name!r}; name it after its "
+                               f"folder")
             found[info.name] = Study(study.name, tuple(study.reports), study.rank, Path(mod.__file__).parent)
     return found
 

@@ -18,7 +18,6 @@ coincide wherever the settings' probabilities agree.
 """
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import asdict, dataclass
 from typing import Literal
@@ -29,6 +28,7 @@ import torch
 import toy_envs
 from lab.configs import SEED_MAX, check_types, check_unique
 from lab.errors import LabError
+from lab.inputs import load_json
 from lab.policies import check_device
 from lab.policies.transformer import SIZES
 from lab.progress import bar
@@ -128,8 +128,8 @@ class Config:
                     if f.read(4) != b"GGUF":
                         raise ValueError("not a GGUF file")
             else:
-                json.loads((folder / "config.json").read_text())
-        except (OSError, ValueError) as e:
+                load_json(folder / "config.json", "model config")  # bounded: a deep or huge file is one line
+        except (OSError, ValueError) as e:  # LabError included
             raise LabError(f"lm {self.lm!r} is not a readable model ({folder / (gguf or 'config.json')}: {e}); the "
                            f"checkpoint is corrupt") from None
 

@@ -22,7 +22,7 @@ from lab.diagnose.adapters import ADAPTERS, adapter
 from lab.diagnose.cli import TABLES, plain
 from lab.diagnose.corrections import resolve
 from lab.diagnose.schema import check_meta
-from lab.diagnose.streaming import CHUNK_ROWS, PAIRS, pairs_of
+from lab.diagnose.streaming import CHUNK_ROWS, CHUNK_ROWS_MAX, PAIRS, pairs_of
 from lab.errors import LabError
 from lab.studies import StudyResult
 from lab.typed import build, knob
@@ -57,7 +57,7 @@ class Config:
     """the sampler's top-p, for a log that lacks it (none: the log's)"""
     top_k: int | None = knob(None, ge=-1, le=10_000_000)
     """the sampler's top-k, for a log that lacks it (0 or -1: no top-k; none: the log's)"""
-    chunk_rows: int = knob(CHUNK_ROWS, ge=1, le=2**24)
+    chunk_rows: int = knob(CHUNK_ROWS, ge=1, le=CHUNK_ROWS_MAX)
     """token rows per streamed chunk (memory stays flat in the log's length)"""
     seed: int = knob(0, ge=0, le=SEED_MAX)
     """seed of the bootstrap intervals"""

@@ -44,6 +44,7 @@ from lab.typed import knob
 
 DEFAULT_ESTIMATORS = ("reinforce", "seq_is", "token_is", "ppo_clip")
 BATCH_MEMORY_BUDGET = 4 * 2**30  # bytes for the replicate batches and the bootstrap counts
+ENUM_LOGITS_LIMIT = 2**31  # logits in one pass over an exact reference's enumeration (16 GiB of float64, in chunks)
 
 
 @dataclass
@@ -196,6 +197,12 @@ class Config:
         (float32, 4 M D bytes) at once; a network's are streamed, one chunk of c replicates at a time (8 c D bytes
         as float64); both build the M x M Gram (8 M^2). Each must fit the memory budget."""
         env, policy = problem.env, problem.policy
+        if self.reference == "exact":  # every pass over the enumeration computes pairs x T x V logits (in chunks)
+            cells = env.num_pairs * env.length * env.vocab_size
+            if cells > ENUM_LOGITS_LIMIT:
+                raise LabError(f"the exact reference computes {env.num_pairs:,} pairs x {env.length} positions x "
+                               f"{env.vocab_size:,} tokens = {cells:,} logits per pass over the enumeration (at most "
+                               f"{ENUM_LOGITS_LIMIT:,}); use --reference mc, a smaller vocabulary or a shorter length")
         batch = self.replicates * self.batch_size * env.length * (8 + 3 * 4)  # tokens, mask, log-probs, advantages
         if policy.gradient_backend == "rows":
             batch += self.replicates * self.batch_size * env.length * env.vocab_size * 4 * 2  # gathered logits, grads
