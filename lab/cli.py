@@ -230,7 +230,8 @@ def _add_sweep(p) -> None:
     p.add_argument("--executor", default="local", help="local (process pool) | ray")
     p.add_argument("--workers", type=_positive, default=None, help="parallel workers (default: all CPUs)")
     p.add_argument("--address", default=None, help="Ray cluster address (default: a local Ray instance)")
-    p.add_argument("--out", type=_folder, default=None, help="results folder (default runs/sweeps/NAME); rerun to resume")
+    p.add_argument("--out", type=_folder, default=None,
+                   help="results folder (default runs/sweeps/NAME); rerun to resume")
 
 
 def _add_report(p) -> None:
@@ -242,7 +243,8 @@ def _add_report(p) -> None:
     p.add_argument("--all", action="store_true", help="build the gallery's reports with their defaults and the index")
     p.add_argument("--smoke", action="store_true", help="build with each report's small values (a quick check)")
     p.add_argument("--out", type=_folder, default="reports", help="reports folder")
-    p.add_argument("--workers", type=_positive, default=1, help="with --all: reports built at a time (one process each)")
+    p.add_argument("--workers", type=_positive, default=1,
+                   help="with --all: reports built at a time (one process each)")
 
 
 # command: (help, flag builder, handler); flags are built for the command being run only, so `lab --help` and the

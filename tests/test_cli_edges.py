@@ -63,7 +63,8 @@ def test_train_without_out_writes_under_runs_from_an_empty_folder(tmp_path, monk
 def test_a_sweep_whose_only_cell_fails_leaves_no_folder_and_says_so(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     Path("s.yaml").write_text("name: s\nbase: {env: tiny_target, steps: 2, regime: async, lag_dist: geometric, "
-                              "lag_p: 1.0e-6, lag_max: 10000, eta: 0}\ngrid:\n  seed: [0]\n")  # drop cannot fill a rollout
+                              "lag_p: 1.0e-6, lag_max: 10000, eta: 0}\ngrid:\n  seed: [0]\n")
+    # drop cannot fill a rollout
     assert main(["sweep", "s.yaml", "--workers", "1"]) == 2
     one_line(capsys, "nothing was written")
     assert os.listdir(tmp_path) == ["s.yaml"]

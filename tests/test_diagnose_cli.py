@@ -54,7 +54,8 @@ def test_hyper_parameters_sampling_and_one_sided_logs(tmp_path, capsys):
     n, lens = 4000, np.full(40, 100)
     s = np.log(rng.random(n)).astype(np.float32)
     with NeutralLogWriter(tmp_path / "log", meta) as w:  # the trainer sits 0.05 below the sampler on every token
-        w.write_tokens({"run": "", "step": 1, "sample_id": np.repeat(np.arange(40), 100), "position": np.tile(np.arange(100), 40),
+        w.write_tokens({"run": "", "step": 1, "sample_id": np.repeat(np.arange(40), 100),
+                        "position": np.tile(np.arange(100), 40),
                         "loss_mask": np.ones(n, bool), "sampler_logp": s,
                         "old_logp": s - np.float32(0.05) + 0.005 * rng.standard_normal(n).astype(np.float32)})
         w.write_sequences({"run": "", "step": 1, "sample_id": np.arange(40), "response_length": lens})

@@ -24,13 +24,15 @@ def small_tables(n_seq: int = 6, length: int = 5, seed: int = 0):
     for s in range(n_seq):
         for t in range(length):
             mu = float(-rng.random() * 3)
-            rows.append({"run": "", "step": 1 + s // 3, "sample_id": s % 3, "position": t, "token_id": int(rng.integers(50)),
+            rows.append({"run": "", "step": 1 + s // 3, "sample_id": s % 3, "position": t,
+                         "token_id": int(rng.integers(50)),
                          "loss_mask": t > 0, "sampler_logp": mu, "old_logp": mu + 0.1 * float(rng.standard_normal()),
                          "current_logp": None, "version": 0, "advantage": 1.0 - 2 * (s % 2), "entropy": 1.0})
     tok = pd.DataFrame(rows)
     seq = pd.DataFrame({"run": [""] * n_seq, "step": [1 + s // 3 for s in range(n_seq)],
                         "sample_id": [s % 3 for s in range(n_seq)], "group_id": [0] * n_seq,
-                        "reward": [float(s % 2) for s in range(n_seq)], "advantage": [1.0 - 2 * (s % 2) for s in range(n_seq)],
+                        "reward": [float(s % 2) for s in range(n_seq)],
+                        "advantage": [1.0 - 2 * (s % 2) for s in range(n_seq)],
                         "response_length": [length] * n_seq, "version_min": [0] * n_seq, "version_max": [0] * n_seq,
                         "trainer_version": [1 + s // 3 for s in range(n_seq)], "origin": [None] * n_seq})
     return tok, seq
@@ -39,7 +41,8 @@ def small_tables(n_seq: int = 6, length: int = 5, seed: int = 0):
 def test_tensor_writer_round_trip(tmp_path):
     B, T = 4, 6
     g = torch.Generator().manual_seed(0)
-    mask = torch.tensor([[1, 1, 1, 0, 0, 0], [1, 1, 1, 1, 1, 1], [0, 1, 1, 0, 1, 0], [1, 0, 0, 0, 0, 0]], dtype=torch.float32)
+    mask = torch.tensor([[1, 1, 1, 0, 0, 0], [1, 1, 1, 1, 1, 1], [0, 1, 1, 0, 1, 0], [1, 0, 0, 0, 0, 0]],
+                        dtype=torch.float32)
     mu = -torch.rand(B, T, generator=g)
     old, cur = mu - 0.01, mu + 0.02
     tokens = torch.randint(0, 9, (B, T), generator=g)
@@ -143,7 +146,8 @@ def test_malformed_column_and_metadata(tmp_path):
     i = t.schema.get_field_index("sampler_logp")
     pq.write_table(t.set_column(i, "sampler_logp", pa.array([str(x) for x in t.column(i).to_pylist()])),
                    path / "tokens.parquet")
-    with pytest.raises(LabError, match=r"tokens.parquet: column 'sampler_logp' has type string, expected float32 or float64"):
+    with pytest.raises(LabError,
+                       match=r"tokens.parquet: column 'sampler_logp' has type string, expected float32 or float64"):
         RolloutLog(path)
     path2 = _write(tmp_path / "b", tok, seq)
     meta = json.loads((path2 / "meta.json").read_text())

@@ -96,7 +96,8 @@ _REGISTRY: dict[str, EstimatorInfo] = {}
 
 
 def register(name: str, *, family: str, source: str, unbiased_for: str, label: str = "", paper: str = "",
-             unbiased: str = "other", coefficient: Callable | None = None, inputs: tuple = (), optional_inputs: tuple = (),
+             unbiased: str = "other", coefficient: Callable | None = None, inputs: tuple = (),
+             optional_inputs: tuple = (),
              grad_scale: Callable | None = None, ratio: str = "token", fixed_agg: bool = False,
              domains: dict | None = None, check: Callable | None = None, differences: str = "",
              homogeneous: bool = True):
@@ -125,7 +126,8 @@ def register(name: str, *, family: str, source: str, unbiased_for: str, label: s
         guarded = guard(name, fn, tuple(inputs), tuple(optional_inputs), info)
         _REGISTRY[name] = EstimatorInfo(
             name=name, fn=guarded, family=family, source=source, unbiased_for=unbiased_for,
-            description=doc[0] if doc else "", label=label or name, paper=paper, unbiased=unbiased, coefficient=coefficient,
+            description=doc[0] if doc else "", label=label or name, paper=paper, unbiased=unbiased,
+            coefficient=coefficient,
             defaults=defaults, inputs=tuple(inputs), optional_inputs=tuple(optional_inputs), grad_scale=grad_scale,
             ratio=ratio, loss_agg_mode=agg, fixed_agg=fixed_agg, domains=parsed, check=check, differences=differences,
             homogeneous=homogeneous, mask_replay=replayable(family, inputs))

@@ -93,7 +93,8 @@ def test_sampled_seq_is_mean_matches_exact_gradient_along_directions(name, polic
     grads, _ = replicate_gradients(policy, traj.current.float(), batch, adv,
                                    Estimator.resolve("seq_is", {}, "seq-mean-token-sum"))
     directions = torch.cat([g_star[None] / g_star.norm(),
-                            torch.randn(20, g_star.numel(), generator=torch.Generator().manual_seed(0), dtype=torch.float64)])
+                            torch.randn(20, g_star.numel(), generator=torch.Generator().manual_seed(0),
+                                        dtype=torch.float64)])
     proj = grads.double() @ directions.T
     z = (proj.mean(0) - directions @ g_star) / (proj.std(0) / M**0.5)
     assert z.abs().max() < 3.5, z  # 21 tests at a Bonferroni level of about 1 %
