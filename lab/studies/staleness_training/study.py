@@ -48,8 +48,10 @@ class Config:
     """toy env preset (see `lab envs`): small enough to enumerate after every update"""
     policy: Literal["prefix", "markov"] = "prefix"
     """tabular policy: prefix | markov"""
-    estimators: list[str] = knob(["reinforce", "ppo_clip", "seq_is", "gspo", "sapo", "vespo"])
-    """estimators to train with, one run per estimator, setting and seed (see `lab estimators`)"""
+    estimators: list[str] = knob(["reinforce", "ppo_clip", "seq_is", "gspo", "sapo", "vespo", "dppo_tv", "geo_rs",
+                                  "m2po"])
+    """estimators to train with, one run per estimator, setting and seed (see `lab estimators`); the default holds
+    three corrections shipped in 2026 (verl's DPPO-TV, its geometric sequence mask, AReaL's M2PO)"""
     baseline: str | None = "ppo_clip"
     """probability of improvement is measured against this estimator (GRPO's PPO-clip loss; none: not measured)"""
     minibatches: list[int] = knob([1, 4, 8, 16, 32, 64], ge=1, le=100_000)
