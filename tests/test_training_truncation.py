@@ -54,9 +54,6 @@ def test_bad_values_are_one_line_and_exit_2_before_any_work(tmp_path, monkeypatc
     assert os.listdir(tmp_path) == []
 
 
-def test_a_network_sampler_is_refused_until_it_truncates():
-    with pytest.raises(LabError, match="network's sampler is not truncated"):
-        TrainConfig(policy="transformer", size="test", env="chain3", top_p=0.9).validate()
 
 
 def test_sweeps_accept_the_knobs():
@@ -124,3 +121,63 @@ def test_mismatch_with_truncation_records_kept_sets_and_replays_pi_old():
     assert bool((ro.lp_old >= full - 1e-6).all()) and bool((ro.lp_old > full + 1e-6).any())  # renormalised: larger
     table = train(cfg, progress=False).table
     assert table["finite"].all()
+
+
+# ------------------------------------------------------------------------------------------ the transformer's engine
+NET = dict(env="chain3", policy="transformer", size="test", rollout_batch=16, group_size=4, steps=2, lr=1e-3,
+           record_params=True)
+
+
+def test_the_transformer_sampler_truncates_each_decoding_step():
+    from lab.policies import make_policy
+    from lab.policies.truncation import kept_set, replayed
+
+    env = toy_envs.make("chain3")
+    policy = make_policy("transformer", env, "test")
+    theta = policy.init_params(0.5, torch.Generator().manual_seed(0), torch.float32)
+    prompts = torch.arange(env.n_prompts).repeat(8)
+    plain = policy.generate(theta, prompts, torch.Generator().manual_seed(1))
+    same = policy.generate(theta, prompts, torch.Generator().manual_seed(1), truncation=dict(top_k=policy.vocab_size))
+    assert all(torch.equal(a, b) for a, b in zip(plain[:2], same[:2])) and bool(same[3].all())
+    for kv in (True, False):
+        tokens, lp, _, kept = policy.generate(theta, prompts, torch.Generator().manual_seed(1), kv_cache=kv,
+                                              truncation=dict(top_p=0.7))
+        logits = policy.logits(theta, prompts, tokens)
+        # the trainer's teacher-forced logits give the same kept sets up to rounding at the boundary
+        assert float((kept != kept_set(logits, top_p=0.7)).double().mean()) < 0.01
+        assert bool(kept.gather(-1, tokens[..., None]).all()) and bool((~kept).any())
+        torch.testing.assert_close(lp, replayed(logits, tokens, kept), rtol=0, atol=1e-5)
+
+
+def test_transformer_training_truncates_and_replays():
+    base = train(TrainConfig(**NET), progress=False)
+    _same(train(TrainConfig(**NET, top_p=1.0, min_p=0.0), progress=False), base)
+    plain = train(TrainConfig(**NET, top_p=0.7), progress=False).table
+    assert (plain["token_ratio"] < 0.99).all()
+    np.testing.assert_allclose(plain["token_ratio"], plain["kept_mass"], rtol=1e-4)  # KV cache: rounding only
+    replay = train(TrainConfig(**NET, top_p=0.7, mask_replay=True), progress=False).table
+    np.testing.assert_allclose(replay["token_ratio"], 1.0, atol=1e-4)
+    assert (replay["kept_mass"] < 0.99).all()
+
+
+@pytest.mark.usefixtures("no_network")
+def test_a_local_hf_model_samples_from_its_kept_sets(tmp_path):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from lab.policies.hf import HFPolicy
+    from lab.policies.truncation import replayed
+
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                                 initializer_range=0.2)).eval().save_pretrained(tmp_path)
+    policy = HFPolicy.load(tmp_path, [[5, 6, 7, 8], [9, 10]], 5)
+    theta = policy.init_params()
+    prompts = torch.tensor([0, 1, 0, 1])
+    plain = policy.generate(theta, prompts, torch.Generator().manual_seed(0))
+    same = policy.generate(theta, prompts, torch.Generator().manual_seed(0), truncation=dict(top_p=1.0))
+    assert all(torch.equal(a, b) for a, b in zip(plain[:2], same[:2]))
+    tokens, lp, _, kept = policy.generate(theta, prompts, torch.Generator().manual_seed(0),
+                                          truncation=dict(top_k=3))
+    assert bool(kept.gather(-1, tokens[..., None]).all()) and bool((kept.sum(-1) == 3).all())
+    torch.testing.assert_close(lp, replayed(policy.logits(theta, prompts, tokens), tokens, kept), rtol=0, atol=1e-5)

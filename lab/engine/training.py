@@ -35,7 +35,9 @@ Regimes (what mu, pi_old and pi are):
 A truncating sampler (``top_p``, ``top_k``, ``min_p``; ``lab.policies.truncation``, vLLM's semantics), in every
 regime, on top of the mismatched sampler's temperature and noise: mu draws from q(a) = mu(a) 1[a in S_t] / mu(S_t)
 and records its truncated, renormalised log-probs and its kept set S_t at every position. Settings that cut nothing
-(top_p = 1, top_k = V, min_p = 0) leave the sampler untouched, so the run is bit-identical to one without them.
+(top_p = 1, top_k = V, min_p = 0) leave the sampler untouched, so the run is bit-identical to one without them. A
+network's inference engine applies the same kept set to its logits at every decoding step (``generate(...,
+truncation=)``); its sampler and trainer then agree up to rounding (KV cache), not bit for bit.
 Without ``mask_replay`` the trainer scores full-vocabulary log-probs, so on-policy every token ratio pi / mu is the
 kept mass pi(S_t) < 1 (the table's ``token_ratio`` and ``kept_mass``); with it the trainer's log-probs (pi, and a
 recomputed pi_old) are renormalised over the recorded kept sets, log pi(y_t) - log pi(S_t) (slime's sampling-mask
@@ -284,9 +286,6 @@ class TrainConfig:
                            "network's mismatch is real: use sampler_dtype, sampler_kv_cache and replay_routes")
         if self.sampler_dtype != "float32" and self.regime != "mismatch":
             raise LabError(f"sampler_dtype {self.sampler_dtype!r} makes a mismatched sampler: use regime 'mismatch'")
-        if self.truncating:
-            raise LabError("top_p, top_k and min_p truncate the tabular policies' sampler in training; a network's "
-                           "sampler is not truncated yet: leave them at their defaults")
         if self.replay_routes and not problem.policy.moe:
             raise LabError(f"replay_routes needs a mixture-of-experts model (e.g. size moe or test_moe, or an MoE "
                            f"checkpoint), not {self.model or self.size!r}")
@@ -567,15 +566,18 @@ class _Run:
 
     def generate(self, v: int, prompts: torch.Tensor):
         """The network's sampler (an inference engine, ``TransformerPolicy.generate``) at version v: tokens, mask and
-        its own log-probs on the CPU, and the routes to replay (None unless ``replay_routes``)."""
+        its own log-probs on the CPU, the routes to replay (None unless ``replay_routes``) and a truncating sampler's
+        kept sets on the CPU (None without truncation)."""
         cfg = self.cfg
-        tokens, logp, routes = self.policy.generate(self.snapshots[v], prompts, self.sample_gen,
-                                                    dtype=SAMPLER_DTYPES[cfg.sampler_dtype],
-                                                    kv_cache=cfg.sampler_kv_cache,
-                                                    temperature=cfg.sampler_temperature)
+        kw = {} if self.truncation is None else {"truncation": self.truncation}
+        tokens, logp, routes, *kept = self.policy.generate(self.snapshots[v], prompts, self.sample_gen,
+                                                           dtype=SAMPLER_DTYPES[cfg.sampler_dtype],
+                                                           kv_cache=cfg.sampler_kv_cache,
+                                                           temperature=cfg.sampler_temperature, **kw)
         tokens = tokens.cpu()
         mask = self.env.mask_of(tokens).to(self.dtype)
-        return tokens, mask, logp.cpu().to(self.dtype) * mask, (routes if cfg.replay_routes else None)
+        return (tokens, mask, logp.cpu().to(self.dtype) * mask, (routes if cfg.replay_routes else None),
+                kept[0].cpu() if kept else None)
 
     # ---- which version generates each group
     def generating_lags(self) -> tuple[torch.Tensor, dict]:
@@ -614,7 +616,7 @@ class _Run:
         lp_mu = torch.zeros(B, env.length, dtype=self.dtype)
         kept = None if self.truncation is None else torch.zeros(B, env.length, env.vocab_size, dtype=torch.bool)
         if self.network:
-            return self.network_rollout(r, prompts, gen_version, gen_lags, counts, tokens, mask, lp_mu)
+            return self.network_rollout(r, prompts, gen_version, gen_lags, counts, tokens, mask, lp_mu, kept)
         for v in sorted(set(gen_version.tolist())):
             idx = (gen_version == v).nonzero()[:, 0]
             if cfg.regime == "mismatch":
@@ -655,7 +657,7 @@ class _Run:
                 "n_over_stale_groups": int((gen_lags > self.cfg.eta).sum()),
                 **counts}
 
-    def network_rollout(self, r, prompts, gen_version, gen_lags, counts, tokens, mask, lp_mu) -> Rollout:
+    def network_rollout(self, r, prompts, gen_version, gen_lags, counts, tokens, mask, lp_mu, kept) -> Rollout:
         """A rollout of the transformer: every group sampled by its generating version's inference engine (KV cache,
         ``sampler_dtype``), and pi_old = that version's log-probs as the trainer recomputes them (decoupled, as verl
         and AReaL do), with the sampler's routes replayed when ``replay_routes``."""
@@ -664,19 +666,21 @@ class _Run:
         routes = None
         for v in sorted(set(gen_version.tolist())):
             idx = (gen_version == v).nonzero()[:, 0]
-            t_, m_, l_, rt = self.generate(v, prompts[idx])
+            t_, m_, l_, rt, k_ = self.generate(v, prompts[idx])
             tokens[idx], mask[idx], lp_mu[idx] = t_, m_, l_
-            lp_old[idx] = self.trainer_log_probs(self.snapshots[v], prompts[idx], t_, rt).to(self.dtype) * m_
+            if kept is not None:
+                kept[idx] = k_
+            lp_old[idx] = self.trainer_log_probs(self.snapshots[v], prompts[idx], t_, rt, k_).to(self.dtype) * m_
             if rt is not None:
                 routes = rt.new_zeros((B, *rt.shape[1:])) if routes is None else routes
                 routes[idx.to(rt.device)] = rt
         rewards = env.sample_reward(prompts, tokens, mask, self.sample_gen).to(self.dtype)
         adv = adv_mod.group_advantages(rewards.reshape(B // G, G), cfg.advantage).reshape(B)[:, None] * mask
         ro = Rollout(prompts, gen_version, tokens, mask, lp_mu, lp_old, rewards, adv,
-                     self.rollout_record(r, gen_lags, counts), routes)
+                     self.rollout_record(r, gen_lags, counts), routes, kept=kept)
         if self.est.info.three_policy:  # the trainer recomputes pi_old with the version that starts consuming it
             ro.lp_prox = self.trainer_log_probs(self.snapshots[self.version], prompts, tokens,
-                                                routes).to(self.dtype) * mask
+                                                routes, kept).to(self.dtype) * mask
         return ro
 
     # ---- one optimiser step on one mini-batch
