@@ -52,6 +52,7 @@ from torch.func import functional_call
 
 from lab.errors import LabError
 from lab.policies import resolve_device  # the one device check, shared with every other policy
+from lab.policies.truncation import kept_set
 
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 NOISE_BYTES = 2**24  # budget of the per-state noise table [H, V] in float64 (H = NOISE_BYTES / 8V rows, >= 256)
@@ -595,14 +596,16 @@ class HFPolicy:
     # ---- the mismatch contract: an inference engine (sampler) and a trainer (scorer) ----
     @torch.no_grad()
     def generate(self, theta, prompts, generator: torch.Generator, dtype=torch.float32, kv_cache: bool = True,
-                 temperature: float = 1.0, head_dtype=None):
+                 temperature: float = 1.0, head_dtype=None, truncation: dict | None = None):
         """Sample one response of ``length`` tokens per prompt id [N] as an inference engine would (see the module
         doc): weights cast to ``dtype``, with or without the KV cache, logits upcast to float32, inverse-CDF draws
         from the CPU ``generator``. Returns tokens [N, T] (long), the sampler's log-probs [N, T] (float32, at that
         temperature) and routes [N, n_moe_layers, P + T - 1, k] (None for a dense model), on the policy's device.
         Sampling continues past an end token (fixed shapes); ``mask_of`` masks it. ``head_dtype`` (e.g. float32):
         the output head alone runs in that dtype, on the final hidden state upcast to it (MiniMax-M1's fix for
-        train/inference mismatch, arXiv 2506.13585)."""
+        train/inference mismatch, arXiv 2506.13585). With ``truncation`` ({top_p, top_k, min_p}) each step samples from
+        the kept set of its tempered logits (``lab.policies.truncation.kept_set``) and the kept sets [N, T, V] (bool)
+        are returned fourth."""
         if not temperature > 0:
             raise LabError(f"temperature must be positive, got {temperature}")
         dev, N, P, T = self.device, prompts.shape[0], self.prompt_length, self.length
@@ -618,8 +621,13 @@ class HFPolicy:
         with self._routing(N, keep_last=not kv_cache) as taken, self._head_input(head_dtype):
             positions = None if real is None else (real.long().cumsum(-1) - 1).clamp(min=0)
             out = self._forward(params, seq, real, positions, use_cache=kv_cache)
+            kept = torch.ones(N, T, self.vocab_size, dtype=torch.bool, device=dev) if truncation else None
             for t in range(T):
-                lp = torch.log_softmax(out.logits[:, -1, :self.vocab_size].float() / temperature, dim=-1)
+                z = out.logits[:, -1, :self.vocab_size].float() / temperature
+                if truncation:
+                    kept[:, t] = kept_set(z, **truncation)
+                    z = z.masked_fill(~kept[:, t], -math.inf)
+                lp = torch.log_softmax(z, dim=-1)
                 u = torch.rand(N, generator=generator, dtype=torch.float64).to(dev)
                 cdf = torch.cumsum(lp.double().exp(), dim=-1)
                 y = (cdf < u[:, None] * cdf[:, -1:]).sum(-1).clamp(max=lp.shape[-1] - 1)
@@ -634,7 +642,7 @@ class HFPolicy:
                                         q_from=P + t, use_cache=True)
                 else:
                     out = self._forward(params, torch.cat([seq, tokens[:, :t + 1]], dim=1), real, positions)
-        return tokens, logp, taken.stacked()
+        return (tokens, logp, taken.stacked(), kept) if truncation else (tokens, logp, taken.stacked())
 
     @torch.no_grad()
     def score(self, theta, prompts, tokens, dtype=torch.float32, routes=None):

@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from torch.func import functional_call
 
 from lab.errors import LabError
+from lab.policies.truncation import kept_set
 
 NOISE_ROWS = 2**16  # rows of the per-state noise table (states share a row only on a hash collision)
 _HASH_MOD = 2**31 - 1  # a prime; products of two residues fit in int64
@@ -362,7 +363,7 @@ class TransformerPolicy:
     # ---- the mismatch contract: an inference engine (sampler) and a trainer (scorer) ----
     @torch.no_grad()
     def generate(self, theta, prompts, generator: torch.Generator, dtype=torch.float32, kv_cache: bool = True,
-                 temperature: float = 1.0):
+                 temperature: float = 1.0, truncation: dict | None = None):
         """Sample one response per prompt id [N] as an inference engine would.
 
         The weights are cast to ``dtype`` and the network runs in it; logits are upcast to float32 for the softmax
@@ -371,7 +372,9 @@ class TransformerPolicy:
         CDF from uniforms of the CPU ``generator`` (identical draws on any device) from softmax(logits /
         temperature). Returns tokens [N, T] (long), the sampler's log-probs of them [N, T] (float32, at that
         temperature) and routes [N, n_layer, P + T - 1, k] (each position's routing when it was first computed;
-        None for a dense model), all on theta's device.
+        None for a dense model), all on theta's device. With ``truncation`` ({top_p, top_k, min_p}) each step samples
+        from the kept set of its tempered logits (``lab.policies.truncation.kept_set``, renormalised; the log-probs
+        are the truncated ones) and the kept sets [N, T, V] (bool) are returned fourth.
         """
         if temperature <= 0:
             raise LabError(f"temperature must be positive, got {temperature}")
@@ -382,8 +385,13 @@ class TransformerPolicy:
         logp = torch.zeros(N, T, dtype=torch.float32, device=dev)
         logits, cache, routes = self._run(params, seq)
         taken = [routes]
+        kept = torch.ones(N, T, self.vocab_size, dtype=torch.bool, device=dev) if truncation else None
         for t in range(T):
-            lp = torch.log_softmax(logits[:, -1].float() / temperature, dim=-1)
+            z = logits[:, -1].float() / temperature
+            if truncation:
+                kept[:, t] = kept_set(z, **truncation)
+                z = z.masked_fill(~kept[:, t], -math.inf)
+            lp = torch.log_softmax(z, dim=-1)
             u = torch.rand(N, generator=generator, dtype=torch.float64).to(dev)
             cdf = torch.cumsum(lp.double().exp(), dim=-1)
             y = (cdf < u[:, None] * cdf[:, -1:]).sum(-1).clamp(max=self.vocab_size - 1)
@@ -396,7 +404,8 @@ class TransformerPolicy:
                 logits, _, routes = self._run(params, torch.cat([seq, tokens[:, :t + 1]], dim=1))
                 routes = None if routes is None else routes[:, :, -1:]
             taken.append(routes)
-        return tokens, logp, (torch.cat(taken, dim=2) if taken[0] is not None else None)
+        routes = torch.cat(taken, dim=2) if taken[0] is not None else None
+        return (tokens, logp, routes, kept) if truncation else (tokens, logp, routes)
 
     @torch.no_grad()
     def score(self, theta, prompts, tokens, dtype=torch.float32, routes=None):
