@@ -274,3 +274,15 @@ def test_a_cell_that_fails_at_run_time_does_not_stop_the_others(tmp_path):
     with pytest.raises(LabError, match=r"1 of 2 sweep cells failed \(first: cell 1, eta=0: .*raise eta.*rerun"):
         run_sweep(spec, tmp_path / "f", workers=2)
     assert len(load_results(tmp_path / "f")[1]) == 1
+
+
+def test_fields_added_later_keep_the_cell_ids_of_folders_written_before_them():
+    """A train cell at the truncation knobs' defaults hashes as it did before those fields existed (the id below
+    is the one earlier versions wrote), so such a sweep folder resumes; setting a knob makes another cell."""
+    from lab.engine.sweep import LATER_FIELDS, cell_id
+
+    cell = {"estimator": "vespo", "minibatches": 4, "seed": 1}
+    assert cell_id(cell) == "b5afb347f87bfa6d"
+    assert cell_id({**cell, "top_p": 1.0, "top_k": None, "min_p": 0.0, "mask_replay": False}) == cell_id(cell)
+    for key, value in (("top_p", 0.9), ("top_k", 2), ("min_p", 0.1), ("mask_replay", True)):
+        assert key in LATER_FIELDS["train"] and cell_id({**cell, key: value}) != cell_id(cell)

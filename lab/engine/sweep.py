@@ -206,10 +206,18 @@ def _canonical(value) -> str:
     return json.dumps(value, sort_keys=True, separators=(",", ":"), default=str)
 
 
+# Fields added to a cell kind after sweeps of it were written: hashed only when they differ from their default, so
+# that a folder written before them resumes with the same cell ids.
+LATER_FIELDS = {"train": ("top_p", "top_k", "min_p", "mask_replay")}
+
+
 def cell_id(config: dict, kind: str = "train") -> str:
     """First 16 hex characters of the sha256 of the resolved config's canonical JSON (a kind other than train is
-    hashed with it)."""
-    text = _canonical(resolve(config, kind)) if kind == "train" else f"{kind}:{_canonical(resolve(config, kind))}"
+    hashed with it; ``LATER_FIELDS`` at their defaults are left out)."""
+    resolved = resolve(config, kind)
+    defaults = asdict(cell_kind(kind)[0]())
+    hashed = {k: v for k, v in resolved.items() if k not in LATER_FIELDS.get(kind, ()) or v != defaults[k]}
+    text = _canonical(hashed) if kind == "train" else f"{kind}:{_canonical(hashed)}"
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
