@@ -595,14 +595,16 @@ class HFPolicy:
     # ---- the mismatch contract: an inference engine (sampler) and a trainer (scorer) ----
     @torch.no_grad()
     def generate(self, theta, prompts, generator: torch.Generator, dtype=torch.float32, kv_cache: bool = True,
-                 temperature: float = 1.0, head_dtype=None):
+                 temperature: float = 1.0, head_dtype=None, truncate=None):
         """Sample one response of ``length`` tokens per prompt id [N] as an inference engine would (see the module
         doc): weights cast to ``dtype``, with or without the KV cache, logits upcast to float32, inverse-CDF draws
         from the CPU ``generator``. Returns tokens [N, T] (long), the sampler's log-probs [N, T] (float32, at that
         temperature) and routes [N, n_moe_layers, P + T - 1, k] (None for a dense model), on the policy's device.
         Sampling continues past an end token (fixed shapes); ``mask_of`` masks it. ``head_dtype`` (e.g. float32):
         the output head alone runs in that dtype, on the final hidden state upcast to it (MiniMax-M1's fix for
-        train/inference mismatch, arXiv 2506.13585)."""
+        train/inference mismatch, arXiv 2506.13585). ``truncate``: a function of the step's log-probs [N, V] giving
+        the kept set [N, V] (``lab.policies.truncation.kept_set``); tokens are then drawn from, and log-probs
+        given by, the distribution renormalised over it (the truncating sampler's q)."""
         if not temperature > 0:
             raise LabError(f"temperature must be positive, got {temperature}")
         dev, N, P, T = self.device, prompts.shape[0], self.prompt_length, self.length
@@ -620,6 +622,8 @@ class HFPolicy:
             out = self._forward(params, seq, real, positions, use_cache=kv_cache)
             for t in range(T):
                 lp = torch.log_softmax(out.logits[:, -1, :self.vocab_size].float() / temperature, dim=-1)
+                if truncate is not None:  # the engine's truncated sampler: log q over the kept set
+                    lp = torch.log_softmax(lp.masked_fill(~truncate(lp).to(lp.device), -math.inf), dim=-1)
                 u = torch.rand(N, generator=generator, dtype=torch.float64).to(dev)
                 cdf = torch.cumsum(lp.double().exp(), dim=-1)
                 y = (cdf < u[:, None] * cdf[:, -1:]).sum(-1).clamp(max=lp.shape[-1] - 1)

@@ -362,7 +362,7 @@ class TransformerPolicy:
     # ---- the mismatch contract: an inference engine (sampler) and a trainer (scorer) ----
     @torch.no_grad()
     def generate(self, theta, prompts, generator: torch.Generator, dtype=torch.float32, kv_cache: bool = True,
-                 temperature: float = 1.0):
+                 temperature: float = 1.0, truncate=None):
         """Sample one response per prompt id [N] as an inference engine would.
 
         The weights are cast to ``dtype`` and the network runs in it; logits are upcast to float32 for the softmax
@@ -371,7 +371,9 @@ class TransformerPolicy:
         CDF from uniforms of the CPU ``generator`` (identical draws on any device) from softmax(logits /
         temperature). Returns tokens [N, T] (long), the sampler's log-probs of them [N, T] (float32, at that
         temperature) and routes [N, n_layer, P + T - 1, k] (each position's routing when it was first computed;
-        None for a dense model), all on theta's device.
+        None for a dense model), all on theta's device. ``truncate``: a function of the step's log-probs [N, V]
+        giving the kept set [N, V] (``lab.policies.truncation.kept_set``); tokens are then drawn from, and
+        log-probs given by, the distribution renormalised over it (the truncating sampler's q).
         """
         if temperature <= 0:
             raise LabError(f"temperature must be positive, got {temperature}")
@@ -384,6 +386,8 @@ class TransformerPolicy:
         taken = [routes]
         for t in range(T):
             lp = torch.log_softmax(logits[:, -1].float() / temperature, dim=-1)
+            if truncate is not None:  # the engine's truncated sampler: log q over the kept set
+                lp = torch.log_softmax(lp.masked_fill(~truncate(lp).to(lp.device), -math.inf), dim=-1)
             u = torch.rand(N, generator=generator, dtype=torch.float64).to(dev)
             cdf = torch.cumsum(lp.double().exp(), dim=-1)
             y = (cdf < u[:, None] * cdf[:, -1:]).sum(-1).clamp(max=self.vocab_size - 1)
