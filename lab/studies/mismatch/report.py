@@ -178,6 +178,7 @@ class Truncated:
     kept_mass: float
     renorm_mean: float
     renorm_outside: float
+    entropy: float  # the trainer's mean next-token entropy, nats
     is_mass: bool
     renorm_fixes: bool
     published: dict
@@ -261,7 +262,8 @@ def truncation(s: Summary) -> list[Truncated]:
                          for k, p in ref.get(trunc, {}).items()}
             verdict = ("unpublished" if not published else "reproduced" if all(r for *_, r in published.values())
                        else "explained" if is_mass and fixes else "unexplained")
-            out.append(Truncated(name, setting, trunc, *v.values(), is_mass, fixes, published, verdict))
+            out.append(Truncated(name, setting, trunc, *v.values(), value(e, "entropy"), is_mass, fixes, published,
+                                 verdict))
     return out
 
 
@@ -343,7 +345,7 @@ def truncation_table(summary: dict):
                          "kept mass π(S)": shown(e, "kept_mass", "{:.3f}"),
                          "renormalised: mean": shown(e, "renorm_mean", "{:.3f}"),
                          "renormalised: outside": shown(e, "renorm_outside", "{:.1%}"),
-                         "mean |S|": f"{value(e, 'kept_size'):.3g}",
+                         "mean |S|": f"{value(e, 'kept_size'):.3g}", "entropy (nats)": f"{value(e, 'entropy'):.2f}",
                          "published (mean, outside → renormalised)": _published(pub)})
     return table(pd.DataFrame(rows), f"{name}, truncating samplers against the fp32 full-sequence trainer "
                                      f"({info['truncation']['sequences']} responses of up to "

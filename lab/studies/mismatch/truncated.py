@@ -12,10 +12,12 @@ the same tokens with the full softmax pi. Per real token,
 
 and over tokens: ``ratio_mean`` and ``renorm_mean`` (mean ratio), ``ratio_outside`` and ``renorm_outside`` (share
 of tokens with the ratio outside [0.9, 1.1]), ``kept_mass`` (mean pi(S_t)), ``ratio_minus_mass`` (mean of
-rho_t - pi(S_t)), ``kept_size`` (mean |S_t|). Where sampler and trainer agree (p_s = pi),
-E_q[rho_t | s_t] = sum_{a in S_t} pi(a) = pi(S_t): the mean ratio is the mean kept mass, and the renormalised ratio
-is 1 up to the dtype mismatch alone. Per token, by definition, rho_t = pi(S_t) rho'_t: where the renormalised
-ratio is 1 the ratio IS the kept mass, token by token. Intervals are percentile bootstrap intervals over sequences.
+rho_t - pi(S_t)), ``kept_size`` (mean |S_t|), ``entropy`` (the trainer's mean next-token entropy
+H(pi(. | s_t)) in nats, which sets how much mass a top-p / top-k cut leaves out). Where sampler and trainer agree
+(p_s = pi), E_q[rho_t | s_t] = sum_{a in S_t} pi(a) = pi(S_t): the mean ratio is the mean kept mass, and the
+renormalised ratio is 1 up to the dtype mismatch alone. Per token, by definition, rho_t = pi(S_t) rho'_t: where the
+renormalised ratio is 1 the ratio IS the kept mass, token by token. Intervals are percentile bootstrap intervals over
+sequences.
 
 Published figures (``measure.PRACTITIONERS["truncation"]``): TRL PR 7269 on Qwen2.5-1.5B. A smaller model has a
 different next-token entropy, so its kept mass, and hence its mean ratio, differ; the identity mean ratio = mean kept
@@ -35,7 +37,7 @@ from lab.studies.mismatch import measure
 
 BAND = (0.9, 1.1)  # the ratio band of the published share "outside [0.9, 1.1]"
 METRICS = ("ratio_mean", "ratio_outside", "kept_mass", "ratio_minus_mass", "renorm_mean", "renorm_outside",
-           "kept_size", "tokens")
+           "kept_size", "entropy", "tokens")
 
 
 @dataclass(frozen=True)
@@ -80,6 +82,7 @@ class TruncatedDraw:
     log_kept_mass: torch.Tensor  # log pi(S_t)
     trainer_renorm: torch.Tensor  # log pi(y_t) - log pi(S_t)
     kept_size: torch.Tensor  # |S_t|
+    entropy: torch.Tensor  # H(pi(. | s_t)), nats
 
 
 def draw(policy, theta, prompts: torch.Tensor, setting: str, truncation: Truncation | str,
@@ -102,12 +105,14 @@ def draw(policy, theta, prompts: torch.Tensor, setting: str, truncation: Truncat
                                       truncate=record if on else None)
     S = torch.stack(kept, 1) if on else torch.ones(*tokens.shape, policy.vocab_size, dtype=torch.bool)  # [N, T, V]
     th = theta.detach().float()
-    parts = {"trainer": [], "log_kept_mass": [], "trainer_renorm": []}
+    parts = {"trainer": [], "log_kept_mass": [], "trainer_renorm": [], "entropy": []}
     with torch.no_grad():
         for i in range(0, prompts.shape[0], chunk):
             z = policy.logits(th, prompts[i:i + chunk], tokens[i:i + chunk]).float().cpu()
             y, k = tokens[i:i + chunk].cpu(), S[i:i + chunk]
-            parts["trainer"].append(torch.log_softmax(z, -1).gather(-1, y[..., None]).squeeze(-1))
+            lp = torch.log_softmax(z, -1)
+            parts["trainer"].append(lp.gather(-1, y[..., None]).squeeze(-1))
+            parts["entropy"].append(-(lp.exp() * lp).nan_to_num().sum(-1))
             parts["log_kept_mass"].append(kept_log_mass(z, k))
             parts["trainer_renorm"].append(replayed(z, y, k))
     mask_of = getattr(policy, "mask_of", None)
@@ -130,7 +135,8 @@ def summarize(d: TruncatedDraw, n_boot: int = 1000, ci: float = 0.95, seed: int 
         return ((r < BAND[0]) | (r > BAND[1])).astype(np.float64)
 
     per_token = {"ratio_mean": rho, "ratio_outside": outside(rho), "kept_mass": mass, "ratio_minus_mass": rho - mass,
-                 "renorm_mean": rho_r, "renorm_outside": outside(rho_r), "kept_size": d.kept_size.double().numpy()}
+                 "renorm_mean": rho_r, "renorm_outside": outside(rho_r), "kept_size": d.kept_size.double().numpy(),
+                 "entropy": d.entropy.double().numpy()}
     out = {k: x.ratio(x.per_seq(v), x.n_tok) for k, v in per_token.items()}
     out["tokens"] = [float(m.sum())] * 3
     return out

@@ -118,7 +118,7 @@ def test_figures_draw_a_real_smoke_run():
 
 def trunc(**given) -> dict:
     base = {"ratio_mean": 0.85, "ratio_outside": 0.74, "kept_mass": 0.853, "ratio_minus_mass": -0.003,
-            "renorm_mean": 0.996, "renorm_outside": 0.054, "kept_size": 20.0, "tokens": 900.0}
+            "renorm_mean": 0.996, "renorm_outside": 0.054, "kept_size": 20.0, "entropy": 1.7, "tokens": 900.0}
     return metrics(**{**base, **given})
 
 
@@ -153,7 +153,8 @@ def test_the_truncation_section_and_table_render_the_measured_and_published_figu
                    "and 4.3%", "`top_k=20`: mean ratio 0.965, after renormalising 1.000.",
                    "`bf16+kv`, `top_p=0.8`: mean ratio 0.850, kept mass 0.853 (equal, as predicted), 74.0% outside",
                    "renormalised 0.996 and 5.4% (fixed)", "explained: the ratio is this model's kept mass",
-                   "a lower kept mass", "`fp32+kv`, `top_p=1`", "Nothing published for this setting"):
+                   "a lower kept mass", "here 1.70 nats per token", "`fp32+kv`, `top_p=1`",
+                   "Nothing published for this setting"):
         assert needle in md, needle
     html = report.truncation_table(s).to_html()
     assert "0.896, 51.8% → 1.001, 4.3%" in html and "0.965 → 1.000" in html and "kept mass π(S)" in html

@@ -43,6 +43,8 @@ def test_fp32_sampler_ratio_is_the_kept_mass_token_by_token_and_renormalising_gi
     assert s["kept_mass"][0] < 0.97 and s["ratio_outside"][0] > 0.05  # the truncation bites on this model
     assert abs(s["ratio_mean"][0] - s["kept_mass"][0]) < 1e-5 and abs(s["ratio_minus_mass"][0]) < 1e-5
     assert abs(s["renorm_mean"][0] - 1) < 1e-5 and s["renorm_outside"][0] == 0
+    H = -(torch.softmax(logits, -1) * torch.log_softmax(logits, -1)).sum(-1)
+    assert torch.allclose(d.entropy, H, atol=1e-5) and 0 < s["entropy"][0] < np.log(10)
 
 
 def test_bf16_sampler_renormalised_ratio_carries_only_the_dtype_mismatch(inlab):
