@@ -146,9 +146,20 @@ class Config:
         except (OSError, ValueError) as e:
             raise LabError(f"lm {self.lm!r} is not a readable model ({folder / (gguf or 'config.json')}: {e}); the "
                            f"checkpoint is corrupt") from None
-        if not gguf and isinstance(vocab, int):
+        if any(truncated.parse_truncation(t).top_k is not None for t in self.lm_truncations):
+            vocab = _gguf_vocab(folder / gguf) if gguf else vocab
             for t in self.lm_truncations:
-                truncated.parse_truncation(t, vocab)
+                truncated.parse_truncation(t, vocab if isinstance(vocab, int) else None)
+
+
+def _gguf_vocab(path) -> int | None:
+    """The vocabulary size of a GGUF file from its token list (None when it cannot be read)."""
+    try:
+        from gguf import GGUFReader
+
+        return len(GGUFReader(path).fields["tokenizer.ggml.tokens"].data)
+    except Exception:  # an unreadable vocabulary is the model loader's to report
+        return None
 
 
 SMOKE = {"inlab_sizes": ["test", "test_moe"], "inlab_init": "random", "lm": "none", "n_boot": 200}  # seconds

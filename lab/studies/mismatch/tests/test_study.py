@@ -29,6 +29,7 @@ pytestmark = pytest.mark.usefixtures("no_network", "one_thread")
     ({"lm_truncations": ["top_k=20", "top_k=20"]}, "more than once"),
     ({"lm_truncation_settings": []}, "truncating samplers"), ({"lm_truncation_settings": ["bf16+kv+head32"]}, "head32"),
     ({"lm_truncation_length": 0}, "lm_truncation_length must be >= 1"),
+    ({"lm_truncations": ["top_k=60000"]}, "top_k 60000 exceeds the vocabulary size 49152"),
 ])
 def test_bad_configs_are_one_line_before_any_work(kwargs, match):
     with pytest.raises(LabError, match=match):
