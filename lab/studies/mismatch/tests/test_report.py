@@ -153,7 +153,7 @@ def test_the_truncation_section_and_table_render_the_measured_and_published_figu
                    "and 4.3%", "`top_k=20`: mean ratio 0.965, after renormalising 1.000.",
                    "`bf16+kv`, `top_p=0.8`: mean ratio 0.850, kept mass 0.853 (equal, as predicted), 74.0% outside",
                    "renormalised 0.996 and 5.4% (fixed)", "explained: the ratio is this model's kept mass",
-                   "a lower kept mass", "here 1.70 nats per token", "`fp32+kv`, `top_p=1`",
+                   "a lower kept mass", "here 1.70 nats per token", "`fp32+kv`, `top_p=1`", "0.0% (nothing cut",
                    "Nothing published for this setting"):
         assert needle in md, needle
     html = report.truncation_table(s).to_html()
