@@ -97,7 +97,7 @@ def test_bad_transformer_settings_are_one_line_and_exit_2(tmp_path, flags, words
 
 
 def test_tabular_runs_refuse_transformer_fields():
-    with pytest.raises(LabError, match="to policy 'transformer' only"):
+    with pytest.raises(LabError, match="sampler_dtype applies only with policy transformer or hf"):
         TrainConfig(sampler_dtype="bfloat16").validate()
 
 
