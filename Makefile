@@ -30,7 +30,7 @@ reports: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
 
-# unit and contract tests only (no report builds, training runs or sweeps): under two minutes on 2 cores
+# the tests not marked slow (the marked ones build reports, train models or run sweeps)
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not slow"
 
