@@ -16,7 +16,7 @@ sequence IS without replay has the expectation
 over the kept paths K (every token in its kept set): grad J(pi) less the paths the sampler never draws, and neither
 truth. With replay the trainer scores log q, W = 1 on-policy and q(y)/q_mu(y) in general, and sequence IS is
 exactly unbiased for the deployed gradient. No correction recovers the full gradient: tokens outside S_t are never
-sampled (DeepSeek-V3.2's keep-sampling-mask, arXiv 2512.02556; slime PR 2102; TRL PR 7269).
+sampled (DeepSeek-V3.2's keep-sampling-mask; slime PR 2102; TRL PR 7269).
 """
 from __future__ import annotations
 
