@@ -1,4 +1,3 @@
-import dataclasses
 import os
 import socket
 
@@ -59,6 +58,18 @@ def gallery(tmp_path_factory):
     paths = reports.run_all(out, workers=2, smoke=True)
     assert paths == [out / r.name for r in reports.catalog().values() if r.gallery] + [out / "index.html"]
     return out
+
+
+@pytest.fixture(scope="module")
+def distill_cache(request, tmp_path_factory):
+    """A per-module warm-start cache (also seen by sweep workers, which inherit the environment) holding the teacher
+    of the module's ``TINY`` distillation setting, trained once."""
+    from lab.engine.distill import DistillConfig, make_setup
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("LAB_CACHE_DIR", str(tmp_path_factory.mktemp("cache")))
+        make_setup(DistillConfig(**request.module.TINY))
+        yield
 
 
 @pytest.fixture

@@ -27,15 +27,6 @@ TINY = dict(n_prompts=32, teacher_size="small", teacher_accuracy=0.5, student_si
 pytestmark = pytest.mark.usefixtures("one_thread_module")  # before the module's warm starts
 
 
-@pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    """A per-module warm-start cache (also seen by sweep workers, which inherit the environment)."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("LAB_CACHE_DIR", str(tmp_path_factory.mktemp("cache")))
-        make_setup(DistillConfig(**TINY))  # the teacher, trained once
-        yield
-
-
 def stable(table: pd.DataFrame) -> pd.DataFrame:
     """The table without its wall-clock columns (the only ones a seed does not fix)."""
     return table.drop(columns=list(TIME_COLUMNS))
@@ -74,7 +65,7 @@ def test_a_bad_distill_sweep_exits_2_with_one_line(tmp_path, capsys):
 
 
 # ---- the run --------------------------------------------------------------------------------------------------------
-def test_same_seed_same_table_and_what_a_row_holds(cache):
+def test_same_seed_same_table_and_what_a_row_holds(distill_cache):
     cfg = DistillConfig(**TINY, estimator="vopd", distractors=10)  # V = 20: the embedding grows past 16 token ids
     a, b = distil(cfg), distil(cfg)
     pd.testing.assert_frame_equal(stable(a.table), stable(b.table))
@@ -110,7 +101,7 @@ def test_sequence_kl_by_prefixes_is_the_kl_of_every_response(difficulty, distrac
     assert not mc[3] and mc[1] < brute < mc[2]  # sampled: the exact value inside its 95% interval (fixed seed)
 
 
-def test_a_student_equal_to_its_teacher_gets_zero_gradient(cache):
+def test_a_student_equal_to_its_teacher_gets_zero_gradient(distill_cache):
     same = dict(TINY, student_size=TINY["teacher_size"], student_accuracy=TINY["teacher_accuracy"], steps=1,
                 grad_every=1, estimator="kl_full")
     res = distil(DistillConfig(**same))
@@ -122,7 +113,7 @@ def test_a_student_equal_to_its_teacher_gets_zero_gradient(cache):
     assert other["grad_norm"] > 1e-2 and other["gvar_kl_full"] > 1e-6
 
 
-def test_baselines_are_exactly_unbiased_on_the_transformer(cache):
+def test_baselines_are_exactly_unbiased_on_the_transformer(distill_cache):
     """E[gradient] by enumerating every response of the real student, against the teacher: OPD, vOPD and vOPD top-k
     (any k) all equal the per-token target exactly; the top-k KL loss does not."""
     # T = 1: 4 prompts x 10 responses; the exact helpers of lab.studies.distillation.exact take one network for both, so
@@ -159,7 +150,7 @@ def test_distractors_widen_the_vocabulary_and_nothing_else():
 SPEC = SweepSpec("d", dict(TINY), {"estimator": ["opd", "vopd"], "seed": [0]}, kind="distill")
 
 
-def test_distill_sweep_runs_resumes_and_equals_in_process_runs(cache, tmp_path):
+def test_distill_sweep_runs_resumes_and_equals_in_process_runs(distill_cache, tmp_path):
     out = tmp_path / "sweep"
     assert run_sweep(SPEC, out, "local", workers=1) == {"done": 2, "skipped": 0, "total": 2}
     assert run_sweep(SPEC, out, "local", workers=1) == {"done": 0, "skipped": 2, "total": 2}  # resumed: nothing to do

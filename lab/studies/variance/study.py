@@ -135,7 +135,7 @@ class Config:
         return Sampling(self.replicates, self.batch_size, self.group_size, self.advantage, self.ci, self.n_boot,
                         chunk=self.chunk or None, memory_budget=int(self.memory_budget * 2**30))
 
-    def initial(self, problem: Problem, generator: torch.Generator) -> torch.Tensor:
+    def initial(self, problem: Problem, generator: torch.Generator, progress: bool | None = None) -> torch.Tensor:
         """pi's starting point: the policy's initial parameters, or the supervised warm start of a transformer of
         size ``model`` (cached; ``lab.pretrain``). A prefix-tree policy with a warm start starts at exactly that
         transformer's sequence distribution, so the two kinds of policy can be compared from the same pi_0."""
@@ -143,7 +143,8 @@ class Config:
             return init_params(problem.policy, self.init_scale, generator)
         from lab.pretrain import warm_start
 
-        theta = warm_start(problem.env, self.model, self.warm_start, seed=self.seed, device=self.device).double()
+        theta = warm_start(problem.env, self.model, self.warm_start, seed=self.seed, device=self.device,
+                           progress=progress).double()
         if self.policy == "transformer":
             return theta
         net = make_policy("transformer", problem.env, self.model)
@@ -326,7 +327,7 @@ def run(cfg: Config, progress: bool | None = None) -> StudyResult:
     problem, ests = cfg.problem(), cfg.resolved()
     env = problem.env
     torch_gen = generator(cfg.seed, 0)
-    theta0 = cfg.initial(problem, torch_gen).to(cfg.device)
+    theta0 = cfg.initial(problem, torch_gen, progress).to(cfg.device)
     traj = optimisation_trajectory(problem, theta0, cfg.trajectory_steps, cfg.lr, torch_gen)
     theta_pi = traj.current
     support_pi = problem.support(theta_pi, generator(cfg.seed, 1))

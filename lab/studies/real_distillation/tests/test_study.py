@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from lab.engine.distill import DIGITS, DistillConfig, make_setup
+from lab.engine.distill import DIGITS
 from lab.engine.sweep import SweepSpec, expand, load_results, load_spec, run_sweep
 from lab.errors import LabError
 from lab.studies.real_distillation import study as rd
@@ -19,15 +19,6 @@ TINY = dict(n_prompts=32, teacher_size="small", teacher_accuracy=0.5, student_si
 ROOT = Path(__file__).resolve().parents[4]
 
 pytestmark = pytest.mark.usefixtures("one_thread_module")  # before the module's warm starts
-
-
-@pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    """A per-module warm-start cache (also seen by sweep workers, which inherit the environment)."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("LAB_CACHE_DIR", str(tmp_path_factory.mktemp("cache")))
-        make_setup(DistillConfig(**TINY))  # the teacher, trained once
-        yield
 
 
 def test_study_config_errors_are_one_line():
@@ -58,7 +49,7 @@ def test_the_sweep_spec_lives_in_the_study_folder_and_runs_the_studys_cells():
 SPEC = SweepSpec("d", dict(TINY), {"estimator": ["opd", "vopd"], "seed": [0, 1]}, kind="distill")
 
 
-def test_the_study_reads_a_sweeps_folder(cache, tmp_path):
+def test_the_study_reads_a_sweeps_folder(distill_cache, tmp_path):
     out = tmp_path / "sweep"
     run_sweep(SPEC, out, "local", workers=1)
     steps, _ = load_results(out)
@@ -79,7 +70,7 @@ def test_the_study_reads_a_sweeps_folder(cache, tmp_path):
         rd.run(rd.Config(results=str(tmp_path / "train")))
 
 
-def test_the_study_runs_its_grid_and_aggregates_over_seeds(cache):
+def test_the_study_runs_its_grid_and_aggregates_over_seeds(distill_cache):
     cfg = rd.Config(estimators=["opd", "vopd", "kl_full"], vocab_sizes=[10], student_accuracies=[0.0], seeds=[0, 1],
                     n_boot=200, **{k: TINY[k] for k in ("n_prompts", "teacher_size", "teacher_accuracy",
                                                          "student_size", "batch_size", "steps", "grad_every",
