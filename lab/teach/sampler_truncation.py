@@ -87,6 +87,26 @@ class Config:
     """build the ipywidgets controls (needs a widget frontend to be seen)"""
 
 
+LEVEL_TITLES = {"top_p": "top-p p", "top_k": "top-k k", "min_p": "min-p threshold"}
+
+
+def level_range(kind: str, vocab: int) -> dict:
+    """The range of the knob of sampler ``kind`` in the live controls and on the page, and its starting value."""
+    return {"top_p": {"start": 0.5, "end": 1.0, "step": 0.01, "value": 0.8},
+            "top_k": {"start": 1, "end": int(vocab), "step": 1, "value": min(8, int(vocab))},
+            "min_p": {"start": 0.0, "end": 0.5, "step": 0.01, "value": 0.05}}[kind]
+
+
+def level_grid(kind: str, vocab: int) -> list:
+    """The knob's sweep, from no truncation to the strongest: p from 1 to 0.5, k from V to 1 (at most 40 values),
+    min-p from 0 to 0.5."""
+    if kind == "top_k":
+        return [float(k) for k in np.unique(np.round(np.geomspace(1, vocab, 40)).astype(int))[::-1]]
+    if kind == "min_p":
+        return np.linspace(0.0, 0.5, 51).tolist()
+    return np.linspace(1.0, 0.5, 51).tolist()
+
+
 def knobs(kind: str, level, vocab: int) -> dict:
     """``kept_set``'s keyword arguments for sampler ``kind`` at ``level`` (p, k or the min-p threshold), checked."""
     if kind not in KINDS:
@@ -212,8 +232,8 @@ def _curves(table: pd.DataFrame) -> dict:
 def page_data(kind: str, level, vocab: int = 64, seed: int = 0, sharpness: float = 2.0, kl: float = 0.0,
               temperature: float = 1.0, grid=None) -> dict:
     """What the browser page shows (the JavaScript twin computes the same): per token pi, mu and the kept set (1/0),
-    the measures at ``level`` and the curves along ``grid`` (levels of the same kind; default top-p 1 to 0.5)."""
-    grid = np.linspace(1.0, 0.5, 51).tolist() if grid is None else [float(x) for x in grid]
+    the measures at ``level`` and the curves along ``grid`` (levels of the same kind; default ``level_grid``)."""
+    grid = level_grid(kind, vocab) if grid is None else [float(x) for x in grid]
     s = setting(kind, level, vocab, seed, sharpness, kl, temperature)
     return {"pi": np.exp(s["log_pi"]).tolist(), "mu": np.exp(s["log_mu"]).tolist(),
             "kept": s["kept"].astype(np.float64).tolist(), "at": measures(s), "grid": grid,
