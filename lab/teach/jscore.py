@@ -381,7 +381,7 @@ window.TeachCore = (function () {
     const R = s.reward, mR = dot(mu, R), adv = R.map((x) => x - mR);
     const truth = (q) => { const e = dot(q, R); return q.map((x, i) => x * R[i] - x * e); };
     const T = { full: truth(pi), deployed: truth(piS) };
-    const rel = (g, t) => norm(g.map((x, i) => x - t[i])) / norm(t);
+    const unit = norm(T.full), rel = (g, t) => norm(g.map((x, i) => x - t[i])) / unit;  // units of |grad J(pi)|
     const out = (r) => dot(mu, r.map((x) => (x < lo || x > hi ? 1 : 0)));
     const res = { kept_mass: Math.exp(s.logM), kept_count: s.kept.filter((k) => k).length,
                   mean_ratio: dot(mu, ratio.plain), mean_ratio_replay: dot(mu, ratio.replay),

@@ -301,8 +301,9 @@ def sampler_truncation_ui(kind: str = "top_p", level: float | None = None, tempe
     _, floats, ints, choice = _sliders()
     st = sampler_truncation
     start = st.level_range(kind, vocab)
-    knob_slider = w.FloatSlider(value=start["value"] if level is None else level, min=start["start"],
-                                max=start["end"], step=start["step"], description=st.LEVEL_TITLES[kind],
+    value = start["value"] if level is None else level
+    knob_slider = w.FloatSlider(value=value, min=min(start["start"], value), max=max(start["end"], value),
+                                step=start["step"], description=st.LEVEL_TITLES[kind],
                                 continuous_update=False, style={"description_width": "initial"},
                                 layout=w.Layout(width="95%"), readout_format=".0f" if kind == "top_k" else ".2f")
     kinds = choice("sampler", kind, [(st.KIND_LABELS[k], k) for k in st.KINDS])
@@ -330,13 +331,13 @@ def sampler_truncation_ui(kind: str = "top_p", level: float | None = None, tempe
         bx.plot(*plots._setting_curve(table, "share_out"), color=plots.COLORS[1], lw=2, label="outside band, no replay")
         bx.plot(*plots._setting_curve(table, "share_out", True), "--", color=plots.COLORS[2], lw=2,
                 label="outside band, replay")
-        plots.bias_lines(cx, table, "deployed", st.LABELS)
+        plots.bias_lines(cx, table, "deployed", st.LABELS, markers=False)
         cx.plot(*plots._setting_curve(table, "gap"), ":", color="k", lw=2, label="deployed vs full (gap)")
         bx.set(xlabel=knob_label, ylim=(-0.05, 1.05), title="ratio")
         cx.set(xlabel=knob_label, title="bias against grad J(pi_S)")
-        for a in (bx, cx):
+        for a, where in ((bx, "center left"), (cx, "upper left")):
             a.axvline(level, color="0.5", ls=":")
-            a.legend(fontsize=6)
+            a.legend(fontsize=6, loc=where)
             if kind != "min_p":
                 a.invert_xaxis()
         b = at["bias"]
@@ -350,6 +351,8 @@ def sampler_truncation_ui(kind: str = "top_p", level: float | None = None, tempe
         return fig, text
 
     return Live("Sampler truncation: kind, its knob, temperature, staleness, draw",
-                {"kind": kinds, "level": knob_slider, "temperature": floats("temperature", temperature, 0.5, 2.0, 0.05),
-                 "kl": floats("staleness KL", kl, 0.0, 0.5, 0.01), "seed": ints("draw", seed, 0, 30)},
+                {"kind": kinds, "level": knob_slider,
+                 "temperature": floats("temperature", temperature, min(0.5, temperature), max(2.0, temperature), 0.05),
+                 "kl": floats("staleness KL", kl, 0.0, max(0.5, kl), 0.01),
+                 "seed": ints("draw", seed, 0, max(30, seed))},
                 draw, "sampler_truncation")

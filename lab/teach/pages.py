@@ -453,11 +453,11 @@ def _truncation_page(page: Page):
             legend_label="outside the band, replay")
     _legend_below(f2, 2)
     f3 = _figure("Bias of the expected one-token update against grad J(pi_S), the deployed policy",
-                 g["titles"][p0["kind"]], "|E[update] - truth| / |truth|")
+                 g["titles"][p0["kind"]], "|E[update] - truth| / |grad J(pi)|")
     f3.multi_line("x", "y", color="color", line_dash="dash", line_width="width", legend_field="label", source=dep)
     _legend_below(f3, 3)
     f4 = _figure("... and against grad J(pi), the full policy", g["titles"][p0["kind"]],
-                 "|E[update] - truth| / |truth|")
+                 "|E[update] - truth| / |grad J(pi)|")
     f4.multi_line("x", "y", color="color", line_dash="dash", line_width="width", legend_field="label", source=full)
     _legend_below(f4, 3)
     marks = []
@@ -504,7 +504,7 @@ numbers.text = `<b>${kind.options.find((o) => o[0] === p.kind)[1]} ${fmt(p.level
   `${fmt(a.mean_ratio)} (= m). Sampled ratios outside [${p.band[0]}, ${p.band[1]}]: ${pc(a.share_out)} without ` +
   `replay, ${pc(a.share_out_replay)} with. Importance sampling's expected update is off the deployed gradient by ` +
   `${fmt(b.plain.deployed)} without replay and ${fmt(b.replay.deployed)} with it; off the full gradient by ` +
-  `${fmt(b.replay.full)} with replay: the gap ${fmt(a.gap)} that no correction closes.`;""")
+  `${fmt(b.replay.full)} with replay: the gap that no correction closes (all in units of |grad J(pi)|).`;""")
     _wire(cb, (kind, level, temp, kl, seed))
     return _page_layout(page, [kind, level, temp, kl, seed], [f1, f2, f3, f4], numbers), cb
 

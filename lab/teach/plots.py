@@ -335,7 +335,7 @@ def kept_tokens(ax, table: pd.DataFrame, title: str, shown: int = 24) -> None:
     ax.bar(x, t["pi"], color=np.where(t["kept"], COLORS[0], "#bbbbbb"), label="pi (grey: outside the kept set)")
     ax.plot(x, t["mu"], "o", color=MU, ms=3, label="sampler mu")
     ax.set(xlabel=f"token, most probable first (the first {len(t)})", ylabel="probability", title=title)
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=7, loc="upper right")
 
 
 def truncation_tokens(table: pd.DataFrame, kind_label: str, band) -> Figure:
@@ -385,26 +385,27 @@ def ratio_against_level(table: pd.DataFrame, xlabel: str, band) -> Figure:
     return fig
 
 
-def bias_lines(ax, table: pd.DataFrame, truth: str, labels: dict) -> None:
-    """Each method's relative bias against ``truth`` (solid: no replay, dashed: replay)."""
+def bias_lines(ax, table: pd.DataFrame, truth: str, labels: dict, markers: bool = True) -> None:
+    """Each method's bias against ``truth`` (solid: no replay, dashed: replay); coinciding curves stay visible by
+    their markers (or, without markers, by decreasing line widths)."""
     methods = [m for m in table.method.unique() if m != "-"]
     for i, m in enumerate(methods):
+        style = {"lw": 2, "marker": MARKERS[i % len(MARKERS)], "ms": 6 - 1.5 * i} if markers else {"lw": 4 - 1.2 * i}
         for replay, ls in ((False, "-"), (True, "--")):
-            ax.plot(*_curve(table, m, f"bias_{truth}", replay), ls, color=color(m), lw=2,
-                    marker=MARKERS[i % len(MARKERS)], ms=6 - 1.5 * i,
+            ax.plot(*_curve(table, m, f"bias_{truth}", replay), ls, color=color(m), **style,
                     label=f"{labels[m]}{', replay' if replay else ''}")
 
 
 def bias_against_level(table: pd.DataFrame, labels: dict, xlabel: str) -> Figure:
-    """The relative bias of each expected one-token update against the full gradient (left, with the gap between
-    the truths) and the deployed gradient (right), without (solid) and with (dashed) replay."""
+    """The bias of each expected one-token update (in units of |grad J(pi)|) against the full gradient (left, with
+    the gap between the truths) and the deployed gradient (right), without (solid) and with (dashed) replay."""
     fig, axes = _fig(2, width=4.8, height=3.6)
     for ax, truth, title in zip(axes, ("full", "deployed"), ("against grad J(pi), the full policy",
                                                              "against grad J(pi_S), the deployed policy")):
         bias_lines(ax, table, truth, labels)
         if truth == "full":
             ax.plot(*_setting_curve(table, "gap"), ":", color="k", lw=2, label="gap |grad J(pi_S) - grad J(pi)|")
-        ax.set(xlabel=xlabel, ylabel="|E[update] - truth| / |truth|", title=title)
+        ax.set(xlabel=xlabel, ylabel="|E[update] - truth| / |grad J(pi)|", title=title)
         if table.kind.iloc[0] != "min_p":
             ax.invert_xaxis()
     axes[0].legend(fontsize=6)

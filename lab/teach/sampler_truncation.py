@@ -25,7 +25,8 @@ The kept mass is m = pi(S) (``lab.policies.truncation.kept_log_mass``). Taught h
    with A_y = R_y - E_mu[R] (the sampler's mean reward, what a group mean estimates). With replay, importance
    sampling (c = rho) gives a = pi_S A and g = g_dep exactly. Nothing gives g_full: tokens outside S are never
    drawn, and the gap ||g_dep - g_full|| / ||g_full|| is the price of truncation that no correction removes.
-   Reported: the relative bias ||g - g*|| / ||g*|| against either truth.
+   Reported: the bias ||g - g*|| against either truth in units of ||g_full|| (the deployed gradient vanishes when S
+   holds one token, so it cannot be the unit).
 
 Rewards R_y are the clip_mask lesson's (hashrng stream clip_mask.REWARD_STREAM + seed); the JavaScript twin
 (lab.teach.jscore, ``samplerTruncation``) computes the same numbers.
@@ -128,17 +129,20 @@ def sampler_logits(vocab: int, seed: int = 0, sharpness: float = 2.0, kl: float 
 
 def setting(kind: str = "top_p", level=1.0, vocab: int = 64, seed: int = 0, sharpness: float = 2.0, kl: float = 0.0,
             temperature: float = 1.0) -> dict:
-    """The state and its sampler: log pi, the sampler's log mu (-inf outside S), the kept set S (bool), log m and
-    the rewards R."""
+    """The state and its sampler: log pi [V], the sampler's log mu (-inf outside S), the kept set S (bool), log m and
+    the rewards R [V]. ``level`` may be a list: then log mu and S are [L, V] and log m is [L], one row per level."""
     tokens.check_vocab(vocab)
     if not (math.isfinite(temperature) and temperature > 0):
         raise LabError(f"temperature must be a positive number, got {temperature!r}")
+    levels = [level] if np.ndim(level) == 0 else list(level)
     z, z_sampler = sampler_logits(vocab, seed, sharpness, kl)
     tempered = torch.as_tensor(z_sampler / float(temperature), dtype=torch.float64)
-    kept = kept_set(tempered, **knobs(kind, level, vocab))
+    kept = torch.stack([kept_set(tempered, **knobs(kind, lv, vocab)) for lv in levels])
     log_mu = torch.log_softmax(tempered.masked_fill(~kept, -math.inf), -1).numpy()  # the engine's q
-    log_m = float(kept_log_mass(torch.as_tensor(z, dtype=torch.float64), kept))
-    return {"log_pi": tokens.log_softmax(z), "log_mu": log_mu, "kept": kept.numpy(), "log_m": log_m,
+    log_m = kept_log_mass(torch.as_tensor(z, dtype=torch.float64).expand(len(levels), -1), kept).numpy()
+    one = np.ndim(level) == 0
+    return {"log_pi": tokens.log_softmax(z), "log_mu": log_mu[0] if one else log_mu,
+            "kept": kept.numpy()[0] if one else kept.numpy(), "log_m": float(log_m[0]) if one else log_m,
             "reward": hashrng.normals(clip_mask.REWARD_STREAM + int(seed), vocab)}
 
 
@@ -146,16 +150,22 @@ def _outside(ratio: np.ndarray) -> np.ndarray:
     return (ratio < BAND[0]) | (ratio > BAND[1])
 
 
-def _rel(g: np.ndarray, truth: np.ndarray) -> float:
-    return float(np.linalg.norm(g - truth) / np.linalg.norm(truth))
+def _rel(g: np.ndarray, truth: np.ndarray, unit: np.ndarray):
+    return np.linalg.norm(g - truth, axis=-1) / np.linalg.norm(unit, axis=-1)
+
+
+def _value(x):
+    return float(x) if np.ndim(x) == 0 else np.asarray(x, dtype=np.float64)
 
 
 def measures(s: dict, methods=METHODS) -> dict:
     """Everything the lesson reports for one setting ``s`` (module docstring): kept mass and count, the mean ratio
-    and the share outside the band without and with replay, the gap between the truths, and per method the relative
-    bias of its expected update against each truth without ("plain") and with ("replay") mask replay."""
-    kept, log_pi, log_m = s["kept"], s["log_pi"], s["log_m"]
-    pi = np.exp(log_pi)
+    and the share outside the band without and with replay, the gap between the truths, and per method the bias of
+    its expected update against each truth without ("plain") and with ("replay") mask replay, both in units of
+    ||grad J(pi)||. Floats for one level; arrays [L] for a setting of L levels."""
+    kept, log_pi = s["kept"], s["log_pi"]
+    log_m = np.asarray(s["log_m"], dtype=np.float64)[..., None]
+    pi = np.broadcast_to(np.exp(log_pi), kept.shape)
     mu = np.where(kept, np.exp(s["log_mu"]), 0.0)
     log_pi_s = np.where(kept, log_pi - log_m, -np.inf)
     pi_s = np.exp(log_pi_s)
@@ -163,18 +173,24 @@ def measures(s: dict, methods=METHODS) -> dict:
     ratio = {False: np.where(kept, np.exp(log_pi - safe_mu), 1.0),  # outside S: never drawn (mu = 0)
              True: np.where(kept, np.exp(np.where(kept, log_pi_s, 0.0) - safe_mu), 1.0)}
     reward = s["reward"]
-    adv = reward - mu @ reward
-    truth = {"full": pi * reward - pi * (pi @ reward), "deployed": pi_s * reward - pi_s * (pi_s @ reward)}
-    out = {"kept_mass": math.exp(log_m), "kept_count": float(kept.sum()),
-           "mean_ratio": float(mu @ ratio[False]), "mean_ratio_replay": float(mu @ ratio[True]),
-           "share_out": float(mu @ _outside(ratio[False])), "share_out_replay": float(mu @ _outside(ratio[True])),
-           "gap": _rel(truth["deployed"], truth["full"]), "bias": {}}
+
+    def mean(w, x):  # sum over the tokens
+        return (w * x).sum(-1)
+
+    adv = reward - mean(mu, reward)[..., None]
+    truth = {"full": pi * reward - pi * mean(pi, reward)[..., None],
+             "deployed": pi_s * reward - pi_s * mean(pi_s, reward)[..., None]}
+    out = {"kept_mass": _value(np.exp(log_m[..., 0])), "kept_count": _value(kept.sum(-1)),
+           "mean_ratio": _value(mean(mu, ratio[False])), "mean_ratio_replay": _value(mean(mu, ratio[True])),
+           "share_out": _value(mean(mu, _outside(ratio[False]))),
+           "share_out_replay": _value(mean(mu, _outside(ratio[True]))),
+           "gap": _value(_rel(truth["deployed"], truth["full"], truth["full"])), "bias": {}}
     for name in methods:
         out["bias"][name] = {}
         for replay, score in ((False, pi), (True, pi_s)):
-            a = mu * clip_mask.coefficient(name, ratio[replay], adv) * adv
-            g = a - score * a.sum()
-            out["bias"][name][REPLAY[replay]] = {t: _rel(g, truth[t]) for t in TRUTHS}
+            a = mu * clip_mask.coefficient(name, ratio[replay], np.broadcast_to(adv, kept.shape)) * adv
+            g = a - score * a.sum(-1, keepdims=True)
+            out["bias"][name][REPLAY[replay]] = {t: _value(_rel(g, truth[t], truth["full"])) for t in TRUTHS}
     return out
 
 
@@ -192,16 +208,17 @@ def sweep(kind: str, levels, vocab: int = 64, seed: int = 0, sharpness: float = 
           temperature: float = 1.0, methods=METHODS) -> pd.DataFrame:
     """Tidy table (kind, level, method, replay, metric, value) over the sampler's ``levels``; the setting's own
     metrics (kept mass, mean ratio, share outside the band, gap) have method "-"."""
+    levels = [float(x) for x in levels]
+    m = measures(setting(kind, levels, vocab, seed, sharpness, kl, temperature), methods)
     rows = []
-    for level in levels:
-        m = measures(setting(kind, level, vocab, seed, sharpness, kl, temperature), methods)
-        lv = float(level)
-        rows += [(kind, lv, "-", False, k, m[k]) for k in ("kept_mass", "kept_count", "mean_ratio", "share_out",
-                                                             "gap")]
-        rows += [(kind, lv, "-", True, k, m[f"{k}_replay"]) for k in ("mean_ratio", "share_out")]
+    for i, lv in enumerate(levels):
+        rows += [(kind, lv, "-", False, k, float(m[k][i])) for k in ("kept_mass", "kept_count", "mean_ratio",
+                                                                     "share_out", "gap")]
+        rows += [(kind, lv, "-", True, k, float(m[f"{k}_replay"][i])) for k in ("mean_ratio", "share_out")]
         for name in methods:
             for replay in (False, True):
-                rows += [(kind, lv, name, replay, f"bias_{t}", m["bias"][name][REPLAY[replay]][t]) for t in TRUTHS]
+                rows += [(kind, lv, name, replay, f"bias_{t}", float(m["bias"][name][REPLAY[replay]][t][i]))
+                         for t in TRUTHS]
     return pd.DataFrame(rows, columns=["kind", "level", "method", "replay", "metric", "value"])
 
 
@@ -313,8 +330,8 @@ EXERCISES = {ex.key: ex for ex in (
                          "policy; without replay the ratio is the constant m and the score is grad log pi, not "
                          "grad log pi_S"),
     Exercise("tis_change",
-             "Same setting. By how much does TIS (cap 2) change the relative bias of importance sampling without "
-             "replay (the absolute difference of the two)?",
+             "Same setting. By how much does TIS (cap 2) change the bias of importance sampling without replay "
+             "(the absolute difference of the two, in units of ||grad J(pi)||)?",
              _tis_change, rtol=0.0, atol=1e-9,
              hint="where does TIS's cap act, and where do the ratios of a truncating sampler lie?",
              explanation="not at all: truncation gives ratios m <= 1, and a cap on large ratios never acts; TIS "
