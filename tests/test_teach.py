@@ -483,10 +483,11 @@ LIVE = [("weight_explosion_ui", {"kl": 0.1, "length": 64, "vocab": 8, "batch": 6
         ("vespo_kernel_ui", {"k": 3.0, "lam": 2.0, "kl": 0.3, "length": 3}),
         ("gvpo_ui", {"beta": 0.2, "lr": 0.5, "steps": 100, "sampler": "partial"}),
         ("vopd_ui", {"vocab": 64, "sharpness": 2.5, "closeness": 0.5, "seed": 7}),
-        ("sampler_truncation_ui", {"level": 0.6, "kind": "min_p", "temperature": 1.5, "kl": 0.2, "seed": 3})]
+        pytest.param("sampler_truncation_ui", {"level": 0.6, "kind": "min_p", "temperature": 1.5, "kl": 0.2, "seed": 3},
+                     marks=pytest.mark.slow)]  # seven redraws of three panels: several seconds
 
 
-@pytest.mark.parametrize("builder,changes", LIVE, ids=[b for b, _ in LIVE])
+@pytest.mark.parametrize("builder,changes", LIVE, ids=[b[0] if isinstance(b, tuple) else b.values[0] for b in LIVE])
 def test_live_controls_redraw(builder, changes):
     """Every control redraws the picture and the numbers (how fast: benchmarks/bench_lessons.py)."""
     from lab.teach import live

@@ -15,6 +15,7 @@ import io
 import numpy as np
 import pandas as pd
 from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
 
 from lab.reports.style import color
 
@@ -348,6 +349,7 @@ def truncation_tokens(table: pd.DataFrame, kind_label: str, band) -> Figure:
     bx.axhspan(*band, color=COLORS[2], alpha=0.15, label=f"band [{band[0]:g}, {band[1]:g}]")
     bx.plot(x, kept["ratio"], "o", color=COLORS[1], ms=5, label="pi / mu (no replay)")
     bx.plot(x, kept["ratio_replay"], "s", color=COLORS[0], ms=4, label="pi_S / mu (replay)")
+    bx.xaxis.set_major_locator(MaxNLocator(integer=True))
     bx.set(xlabel="kept token, most probable first", ylabel="trainer / sampler ratio",
            title="Ratios of the kept tokens",
            ylim=(min(0.4, float(kept["ratio"].min()) - 0.05), max(1.2, float(kept["ratio"].max()) + 0.05)))
