@@ -392,6 +392,17 @@ def test_truncation_kept_sets_are_the_labs():
         sampler_truncation.setting("top_p", 0.0, 40)
 
 
+def test_truncation_report_refuses_a_top_k_beyond_the_vocabulary():
+    from lab import reports
+    from lab.reports.params import resolve
+
+    spec = reports.catalog()["teach_sampler_truncation"]
+    with pytest.raises(LabError, match="top_k 100 exceeds the vocabulary size 64"):
+        resolve(spec, {"kind": "top_k", "top_k": 100})
+    cfg, _ = resolve(spec, {"kind": "top_p", "top_k": 100})  # top_k is not used by a top-p look
+    assert cfg.top_k == 100
+
+
 def test_the_sweep_grows_the_gap_and_the_flagged_share():
     t = sampler_truncation.sweep("top_p", [1.0, 0.95, 0.8, 0.5], 64)
     cell = t[t.method == "-"].set_index(["level", "replay", "metric"])["value"]
@@ -487,7 +498,7 @@ LIVE = [("weight_explosion_ui", {"kl": 0.1, "length": 64, "vocab": 8, "batch": 6
                      marks=pytest.mark.slow)]  # seven redraws of three panels: several seconds
 
 
-@pytest.mark.parametrize("builder,changes", LIVE, ids=[b[0] if isinstance(b, tuple) else b.values[0] for b in LIVE])
+@pytest.mark.parametrize("builder,changes", LIVE, ids=[b.values[0] if hasattr(b, "marks") else b[0] for b in LIVE])
 def test_live_controls_redraw(builder, changes):
     """Every control redraws the picture and the numbers (how fast: benchmarks/bench_lessons.py)."""
     from lab.teach import live

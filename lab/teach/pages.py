@@ -499,7 +499,8 @@ full.data = {x: rows(nd + 1), y: bias("full").concat([c.gap]), color: full.data.
 function rows(n) { return Array.from({length: n}, () => d.grid); }
 for (const mk of marks) mk.location = p.level;
 const a = d.at, b = a.bias.token_is, pc = (x) => fmt(100 * x) + " %";
-numbers.text = `<b>${kind.options.find((o) => o[0] === p.kind)[1]} ${fmt(p.level)}</b> keeps ${a.kept_count} of ` +
+const shown = p.kind === "top_k" ? String(p.level) : fmt(p.level);
+numbers.text = `<b>${kind.options.find((o) => o[0] === p.kind)[1]} ${shown}</b> keeps ${a.kept_count} of ` +
   `${p.vocab} tokens holding <b>m = ${fmt(a.kept_mass)}</b> of pi; the mean ratio pi/mu under the sampler is ` +
   `${fmt(a.mean_ratio)} (= m). Sampled ratios outside [${p.band[0]}, ${p.band[1]}]: ${pc(a.share_out)} without ` +
   `replay, ${pc(a.share_out_replay)} with. Importance sampling's expected update is off the deployed gradient by ` +

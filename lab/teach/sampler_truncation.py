@@ -62,7 +62,7 @@ REPLAY = {False: "plain", True: "replay"}
 class Config:
     """The lesson's settings (its report's parameters)."""
 
-    vocab: int = knob(64, ge=2, le=100_000)
+    vocab: int = knob(64, ge=2, le=1 << 16)
     """next-token vocabulary size V"""
     kind: Literal["top_p", "top_k", "min_p"] = "top_p"
     """the sampler of the detailed look: top_p | top_k | min_p"""
@@ -86,6 +86,11 @@ class Config:
     """draw of pi, the staleness direction, the rewards and the sampled batch"""
     live_controls: bool = True
     """build the ipywidgets controls (needs a widget frontend to be seen)"""
+
+    def validate(self) -> None:
+        """The detailed look's sampler must fit the vocabulary (checked before the notebook starts)."""
+        if self.kind == "top_k":
+            knobs("top_k", self.top_k, self.vocab)
 
 
 LEVEL_TITLES = {"top_p": "top-p p", "top_k": "top-k k", "min_p": "min-p threshold"}
