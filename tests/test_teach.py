@@ -554,6 +554,21 @@ def test_estimator_series_take_the_labs_colours():
     assert color("kl_topk") == color("kl_top4") != color("kl_full")
 
 
+@pytest.mark.slow  # builds the page (a few seconds)
+def test_truncation_series_take_the_labs_colours():
+    from matplotlib.colors import to_hex
+
+    from lab.reports.style import color
+    from lab.teach import pages, plots
+
+    want = [color(m) for m in sampler_truncation.METHODS for _ in ("plain", "replay")]
+    fig = plots.bias_against_level(sampler_truncation.sweep("top_p", [1.0, 0.7], 16), sampler_truncation.LABELS, "p")
+    assert [to_hex(line.get_color()) for line in fig.axes[1].lines] == want
+    page = next(p for p in pages.pages() if p.slug == "sampler_truncation")
+    layout, _ = page.build(page)
+    assert layout.select_one({"name": "bias_deployed"}).data["color"] == want
+
+
 def test_token_panels_keep_their_legends_off_the_data():
     from lab.teach import plots
 
