@@ -381,11 +381,11 @@ def _knob(row: dict, k: str):
 def truncation_order(runs: pd.DataFrame) -> list[str]:
     """The truncation study's settings in display order: the untruncated sampler first, then by decreasing top-p
     (top-k, min-p), each without replay before with it."""
-    rows = runs.drop_duplicates("sampler").to_dict("records")
     def key(r):
         p, k, m = (_knob(r, n) for n in KNOBS)
         return (bool(r["truncates"]), -p, -(k if k is not None else math.inf), m, bool(r["replay"]))
-    return [r["sampler"] for r in sorted(rows, key=key)]
+
+    return [r["sampler"] for r in sorted(runs.drop_duplicates("sampler").to_dict("records"), key=key)]
 
 
 def truncation_settings(steps: pd.DataFrame, runs: pd.DataFrame) -> dict:
