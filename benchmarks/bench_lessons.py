@@ -19,7 +19,8 @@ CHANGES = {"weight_explosion_ui": [("kl", 0.1, 0.2), ("length", 64, 32), ("vocab
            "clip_mask_ui": [("kl", 0.5, 0.2), ("vocab", 16, 32), ("seed", 3, 4), ("eps", 0.1, 0.2)],
            "vespo_kernel_ui": [("k", 3.0, 2.0), ("lam", 2.0, 3.0), ("kl", 0.3, 0.1), ("length", 3, 4)],
            "gvpo_ui": [("beta", 0.2, 0.5), ("lr", 0.5, 1.0), ("steps", 100, 200)],
-           "vopd_ui": [("vocab", 64, 32), ("sharpness", 2.5, 1.0), ("closeness", 0.5, 0.0), ("seed", 7, 8)]}
+           "vopd_ui": [("vocab", 64, 32), ("sharpness", 2.5, 1.0), ("closeness", 0.5, 0.0), ("seed", 7, 8)],
+           "sampler_truncation_ui": [("level", 0.6, 0.8), ("temperature", 1.5, 1.0), ("kl", 0.2, 0.0), ("seed", 3, 0)]}
 
 
 def main() -> int:

@@ -15,11 +15,11 @@ import yaml
 from lab import estimators
 from lab.errors import LabError
 from lab.estimators import vespo
-from lab.teach import (clip_mask, exercises, gvpo_zero_sum, hashrng, tokens, vespo_kernel, vopd_baseline,
-                       weight_explosion)
+from lab.teach import (clip_mask, exercises, gvpo_zero_sum, hashrng, sampler_truncation, tokens, vespo_kernel,
+                       vopd_baseline, weight_explosion)
 
 ROOT = Path(__file__).resolve().parent.parent
-LESSON_MODULES = (weight_explosion, clip_mask, vespo_kernel, gvpo_zero_sum, vopd_baseline)
+LESSON_MODULES = (weight_explosion, clip_mask, vespo_kernel, gvpo_zero_sum, vopd_baseline, sampler_truncation)
 
 
 # ---- shared pieces ---------------------------------------------------------------------------------------------
@@ -261,6 +261,159 @@ def test_small_vocabularies_are_where_the_baseline_hurts():
     assert t.loc[3, "ratio_median"] > 1 > t.loc[64, "ratio_median"]
 
 
+# ---- sampler truncation -------------------------------------------------------------------------------------------
+
+def _no_truncation(vocab=32, seed=2, kl=0.0, temperature=1.0) -> dict:
+    """The same state sampled without any truncation, built here from the plain softmax."""
+    z, z_sampler = sampler_truncation.sampler_logits(vocab, seed, 2.0, kl)
+    return {"log_pi": tokens.log_softmax(z), "log_mu": tokens.log_softmax(z_sampler / temperature),
+            "kept": np.ones(vocab, dtype=bool), "log_m": 0.0,
+            "reward": hashrng.normals(clip_mask.REWARD_STREAM + seed, vocab)}
+
+
+def _flat(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+    return out
+
+
+@pytest.mark.parametrize("kl,temperature", [(0.0, 1.0), (0.2, 1.4)])
+def test_settings_that_cut_nothing_equal_no_truncation(kl, temperature):
+    plain = _no_truncation(kl=kl, temperature=temperature)
+    want = sampler_truncation.measures(plain)
+    for kind, level in (("top_p", 1.0), ("top_k", 32), ("min_p", 0.0)):
+        s = sampler_truncation.setting(kind, level, 32, 2, 2.0, kl, temperature)
+        assert s["kept"].all() and s["log_m"] == 0.0
+        assert np.array_equal(s["log_mu"], torch.log_softmax(torch.as_tensor(plain["log_mu"]), -1).numpy())
+        assert np.allclose(s["log_mu"], plain["log_mu"], rtol=0, atol=1e-15)
+        got = sampler_truncation.measures(s)
+        assert _flat(got) == pytest.approx(_flat(want), rel=1e-12, abs=1e-14), kind
+    assert want["gap"] == 0 and want["kept_mass"] == 1
+    for name in sampler_truncation.METHODS:  # no kept set: replay changes nothing
+        assert want["bias"][name]["plain"] == pytest.approx(want["bias"][name]["replay"], abs=1e-15)
+    if kl == 0 and temperature == 1:  # on-policy and untruncated: every correction is exact
+        assert max(b for m in want["bias"].values() for r in m.values() for b in r.values()) < 1e-14
+
+
+@pytest.mark.parametrize("kind,level", [("top_p", 0.8), ("top_p", 0.5), ("top_k", 3), ("min_p", 0.1)])
+@pytest.mark.parametrize("kl,temperature", [(0.0, 1.0), (0.1, 0.7), (0.3, 1.6)])
+def test_mean_ratio_is_the_kept_mass(kind, level, kl, temperature):
+    s = sampler_truncation.setting(kind, level, 48, 1, 2.0, kl, temperature)
+    m = sampler_truncation.measures(s)
+    pi, kept = np.exp(s["log_pi"]), s["kept"]
+    assert np.isclose(m["kept_mass"], pi[kept].sum(), rtol=1e-12) and m["kept_mass"] < 1
+    assert np.isclose(m["mean_ratio"], m["kept_mass"], rtol=1e-12)
+    assert np.isclose(m["mean_ratio_replay"], 1.0, rtol=1e-12)  # pi_S sums to one over S
+    if kl == 0 and temperature == 1:  # every sampled token has ratio exactly m (and 1 with replay)
+        table = sampler_truncation.token_table(kind, level, 48, 1)
+        assert np.allclose(table.loc[table.kept, "ratio"], m["kept_mass"], rtol=1e-12)
+        assert np.allclose(table.loc[table.kept, "ratio_replay"], 1.0, rtol=1e-12)
+        assert np.isclose(m["share_out"], float(m["kept_mass"] < 0.9)) and m["share_out_replay"] == 0
+
+
+def test_sampled_mean_ratio_agrees_with_the_kept_mass():
+    """Monte Carlo under the sampler: the batch's mean ratio lies within 4 standard errors of m (fixed seeds)."""
+    for seed, (kl, temperature) in enumerate(((0.2, 1.5), (0.05, 0.6), (0.4, 1.0))):
+        s = sampler_truncation.setting("top_p", 0.7, 64, seed, 2.0, kl, temperature)
+        m = sampler_truncation.measures(s)["kept_mass"]
+        mean, se = sampler_truncation.sampled_mean_ratio(s, 20_000, seed)
+        assert se > 0 and abs(mean - m) < 4 * se
+        mean, se = sampler_truncation.sampled_mean_ratio(s, 20_000, seed, replay=True)
+        assert abs(mean - 1) < 4 * se
+
+
+def _expected_update(s, name, replay):
+    """E_mu[c A grad_z log p(y)] written out token by token with autograd (p = pi, or pi_S with replay)."""
+    z = torch.as_tensor(s["log_pi"], dtype=torch.float64)
+    kept = torch.as_tensor(s["kept"])
+    mu = np.where(s["kept"], np.exp(s["log_mu"]), 0.0)
+    adv = s["reward"] - mu @ s["reward"]
+    total = np.zeros(len(mu))
+    for y in np.flatnonzero(s["kept"]):
+        zz = z.clone().requires_grad_(True)
+        logits = zz.masked_fill(~kept, -math.inf) if replay else zz
+        log_p = torch.log_softmax(logits, -1)[y]
+        ratio = math.exp(float(log_p.detach()) - s["log_mu"][y])
+        coef = clip_mask.coefficient(name, [ratio], [adv[y]])[0]
+        (g,) = torch.autograd.grad(log_p, zz)
+        total += mu[y] * coef * adv[y] * g.numpy()
+    return total
+
+
+@pytest.mark.parametrize("kind,level,kl,temperature", [("top_p", 0.8, 0.0, 1.0), ("top_p", 0.6, 0.2, 1.3),
+                                                       ("top_k", 4, 0.1, 0.8), ("min_p", 0.1, 0.0, 1.0)])
+def test_biases_against_autograd_and_replayed_is_exact_for_the_deployed_policy(kind, level, kl, temperature):
+    s = sampler_truncation.setting(kind, level, 24, 3, 2.0, kl, temperature)
+    m = sampler_truncation.measures(s)
+    z = torch.tensor(s["log_pi"], dtype=torch.float64, requires_grad=True)
+    reward = torch.as_tensor(s["reward"])
+    full = torch.autograd.grad((torch.softmax(z, -1) * reward).sum(), z)[0].numpy()
+    kept = torch.as_tensor(s["kept"])
+    deployed = torch.autograd.grad((torch.softmax(z.masked_fill(~kept, -math.inf), -1) * reward).sum(), z)[0].numpy()
+    unit = np.linalg.norm(full)
+    assert np.isclose(m["gap"], np.linalg.norm(deployed - full) / unit, rtol=1e-10) and m["gap"] > 0.01
+    for name in sampler_truncation.METHODS:
+        for replay, key in ((False, "plain"), (True, "replay")):
+            g = _expected_update(s, name, replay)
+            for truth, t in (("full", full), ("deployed", deployed)):
+                assert np.isclose(m["bias"][name][key][truth], np.linalg.norm(g - t) / unit, rtol=1e-8, atol=1e-13)
+    replayed_is = _expected_update(s, "token_is", True)
+    assert np.allclose(replayed_is, deployed, rtol=0, atol=1e-14)  # replay: IS is the deployed gradient
+    assert m["bias"]["token_is"]["replay"]["deployed"] < 1e-13
+    assert m["bias"]["token_is"]["plain"]["deployed"] > 0.01  # without replay it is not
+    assert np.isclose(m["bias"]["token_is"]["replay"]["full"], m["gap"], rtol=1e-10)
+
+
+@pytest.mark.slow  # imports the study (about a second)
+def test_truncation_band_is_the_studys():
+    from lab.studies.sampling_truncation.study import BAND
+
+    assert sampler_truncation.BAND == BAND
+
+
+def test_truncation_kept_sets_are_the_labs():
+    from lab.policies.truncation import kept_set
+
+    z, _ = sampler_truncation.sampler_logits(40, 4)
+    for kind, kw in (("top_p", {"top_p": 0.7}), ("top_k", {"top_k": 5}), ("min_p", {"min_p": 0.2})):
+        s = sampler_truncation.setting(kind, list(kw.values())[0], 40, 4, temperature=0.8)
+        assert np.array_equal(s["kept"], kept_set(torch.as_tensor(z / 0.8), **kw).numpy())
+    p = np.sort(np.exp(tokens.log_softmax(z / 0.8)))[::-1]  # top-p: the smallest top set holding at least p
+    n = int(sampler_truncation.measures(sampler_truncation.setting("top_p", 0.7, 40, 4, temperature=0.8))["kept_count"])
+    assert p[:n].sum() >= 0.7 > p[:n - 1].sum()
+    with pytest.raises(LabError, match="top_k"):
+        sampler_truncation.setting("top_k", 50, 40)
+    with pytest.raises(LabError, match="kind"):
+        sampler_truncation.setting("top_q", 0.5, 40)
+    with pytest.raises(LabError, match="temperature"):
+        sampler_truncation.setting("top_p", 0.5, 40, temperature=0.0)
+    with pytest.raises(LabError, match="top_p"):
+        sampler_truncation.setting("top_p", 0.0, 40)
+
+
+def test_truncation_report_refuses_a_top_k_beyond_the_vocabulary():
+    from lab import reports
+    from lab.reports.params import resolve
+
+    spec = reports.catalog()["teach_sampler_truncation"]
+    with pytest.raises(LabError, match="top_k 100 exceeds the vocabulary size 64"):
+        resolve(spec, {"kind": "top_k", "top_k": 100})
+    cfg, _ = resolve(spec, {"kind": "top_p", "top_k": 100})  # top_k is not used by a top-p look
+    assert cfg.top_k == 100
+
+
+def test_the_sweep_grows_the_gap_and_the_flagged_share():
+    t = sampler_truncation.sweep("top_p", [1.0, 0.95, 0.8, 0.5], 64)
+    cell = t[t.method == "-"].set_index(["level", "replay", "metric"])["value"]
+    gaps = [cell[(p, False, "gap")] for p in (1.0, 0.95, 0.8, 0.5)]
+    assert gaps[0] == 0 and all(a < b for a, b in zip(gaps, gaps[1:]))
+    assert cell[(1.0, False, "share_out")] == 0 and np.isclose(cell[(0.5, False, "share_out")], 1)
+    assert all(cell[(p, True, "share_out")] == 0 for p in (1.0, 0.95, 0.8, 0.5))
+    tis = t[(t.method == "tis_token")].value.to_numpy()  # ratios m <= 1: TIS's cap never acts
+    assert np.array_equal(tis, t[(t.method == "token_is")].value.to_numpy())
+
+
 # ---- exercises --------------------------------------------------------------------------------------------------
 
 WRONG = {  # plausible mistakes the checker must refuse
@@ -285,6 +438,11 @@ WRONG = {  # plausible mistakes the checker must refuse
     "state_value": [0.2, -0.3, 0],
     "upper_end": [0.4, -0.4, 2 * 0.2],
     "does_it_help": ["a", "yes"],
+    "sampled_ratio": [1, 0.8, 1 / 0.85, 0.5],
+    "share_outside": ["a", "b", "c"],
+    "exact_update": ["a", "c", "d"],
+    "tis_change": [0.1, 1, -0.5],
+    "truncation_gap": [0, 1, 0.2],
 }
 
 
@@ -335,10 +493,12 @@ LIVE = [("weight_explosion_ui", {"kl": 0.1, "length": 64, "vocab": 8, "batch": 6
         ("clip_mask_ui", {"kl": 0.5, "vocab": 16, "seed": 3, "eps": 0.1, "method": "mis_token"}),
         ("vespo_kernel_ui", {"k": 3.0, "lam": 2.0, "kl": 0.3, "length": 3}),
         ("gvpo_ui", {"beta": 0.2, "lr": 0.5, "steps": 100, "sampler": "partial"}),
-        ("vopd_ui", {"vocab": 64, "sharpness": 2.5, "closeness": 0.5, "seed": 7})]
+        ("vopd_ui", {"vocab": 64, "sharpness": 2.5, "closeness": 0.5, "seed": 7}),
+        pytest.param("sampler_truncation_ui", {"level": 0.6, "kind": "min_p", "temperature": 1.5, "kl": 0.2, "seed": 3},
+                     marks=pytest.mark.slow)]  # seven redraws of three panels: several seconds
 
 
-@pytest.mark.parametrize("builder,changes", LIVE, ids=[b for b, _ in LIVE])
+@pytest.mark.parametrize("builder,changes", LIVE, ids=[b.values[0] if hasattr(b, "marks") else b[0] for b in LIVE])
 def test_live_controls_redraw(builder, changes):
     """Every control redraws the picture and the numbers (how fast: benchmarks/bench_lessons.py)."""
     from lab.teach import live
@@ -392,6 +552,21 @@ def test_estimator_series_take_the_labs_colours():
     assert len(set(ESTIMATOR_COLORS.values())) == len(ESTIMATOR_COLORS)
     assert color("vopd_topk") == color("vopd_top8") != color("vopd")
     assert color("kl_topk") == color("kl_top4") != color("kl_full")
+
+
+@pytest.mark.slow  # builds the page (a few seconds)
+def test_truncation_series_take_the_labs_colours():
+    from matplotlib.colors import to_hex
+
+    from lab.reports.style import color
+    from lab.teach import pages, plots
+
+    want = [color(m) for m in sampler_truncation.METHODS for _ in ("plain", "replay")]
+    fig = plots.bias_against_level(sampler_truncation.sweep("top_p", [1.0, 0.7], 16), sampler_truncation.LABELS, "p")
+    assert [to_hex(line.get_color()) for line in fig.axes[1].lines] == want
+    page = next(p for p in pages.pages() if p.slug == "sampler_truncation")
+    layout, _ = page.build(page)
+    assert layout.select_one({"name": "bias_deployed"}).data["color"] == want
 
 
 def test_token_panels_keep_their_legends_off_the_data():

@@ -19,7 +19,8 @@ from lab.teach import LESSONS
 
 ROOT = Path(__file__).resolve().parent.parent
 FIGURES = {"teach_weight_explosion": 2, "teach_clip_mask": 3, "teach_vespo_kernel": 4, "teach_gvpo_zero_sum": 3,
-           "teach_vopd_baseline": 2}  # static figures, the live controls' snapshot not counted
+           "teach_vopd_baseline": 2,
+           "teach_sampler_truncation": 3}  # static figures, the live controls' snapshot not counted
 WIDGET = "application/vnd.jupyter.widget-view+json"
 
 
@@ -54,6 +55,7 @@ def test_parameters_cell_and_kernel(lesson):
     assert all(not c.get("outputs") for c in nb.cells if c.cell_type == "code"), "commit notebooks without outputs"
 
 
+@pytest.mark.slow  # executes the notebooks (the session's gallery)
 @pytest.mark.parametrize("lesson", LESSONS, ids=lambda l: l.name)
 def test_runs_without_errors_and_writes_its_run_folder(executed, lesson):
     path, run = executed[lesson.name]
@@ -76,6 +78,7 @@ def test_runs_without_errors_and_writes_its_run_folder(executed, lesson):
     assert len(widgets) == 1 and "make lab" in widgets[0]["data"]["text/plain"]
 
 
+@pytest.mark.slow  # executes the notebooks (the session's gallery)
 @pytest.mark.parametrize("lesson", LESSONS, ids=lambda l: l.name)
 def test_figures_at_150_dpi_with_alt_text(executed, lesson):
     from base64 import b64decode
@@ -95,6 +98,7 @@ def test_figures_at_150_dpi_with_alt_text(executed, lesson):
         assert len(alt) > 80 and alt.replace("&#x27;", "'") in markdown
 
 
+@pytest.mark.slow  # executes the notebooks (the session's gallery)
 @pytest.mark.parametrize("lesson", LESSONS, ids=lambda l: l.name)
 def test_the_finding_comes_first(executed, lesson):
     """After the title, before any figure or table: the headline the run folder holds, computed, not typed."""
@@ -110,6 +114,7 @@ def test_the_finding_comes_first(executed, lesson):
     assert source.cells.index(finding) <= 3 and "headline = " in finding.source
 
 
+@pytest.mark.slow  # executes the notebooks (the session's gallery)
 @pytest.mark.parametrize("lesson", LESSONS, ids=lambda l: l.name)
 def test_live_controls_leave_a_static_snapshot(executed, lesson):
     """Under papermill there is no widget frontend: the controls' output also carries the figure at the notebook's
@@ -128,6 +133,7 @@ def test_live_controls_leave_a_static_snapshot(executed, lesson):
     assert (run / f"{lesson.page}.html").stat().st_size > 100_000  # the static page sits beside the report
 
 
+@pytest.mark.slow  # executes the notebooks (the session's gallery)
 def test_html_export_shows_the_figures(executed):
     """The static report as the driver writes it: every figure, the controls' snapshot instead of an empty widget
     area, the finding, no scripts."""

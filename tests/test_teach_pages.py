@@ -70,7 +70,11 @@ def test_build_refuses_unknown_lessons_and_files(tmp_path):
         pages_mod.build_pages(tmp_path / "f")
 
 
-@pytest.mark.parametrize("page", pages_mod.pages(), ids=lambda p: p.slug)
+SLOW_PAGES = ("sampler_truncation",)  # pages whose check takes more than a few seconds
+
+
+@pytest.mark.parametrize("page", [pytest.param(p, marks=pytest.mark.slow) if p.slug in SLOW_PAGES else p
+                                  for p in pages_mod.pages()], ids=lambda p: p.slug)
 def test_page_in_headless_chromium(built, browser, page):
     browser.open((built / f"{page.slug}.html").as_uri(), ready=BOKEH_READY)
     assert browser.errors() == []
@@ -117,6 +121,27 @@ def test_page_in_headless_chromium(built, browser, page):
         overflow = browser.js("document.documentElement.scrollWidth - document.documentElement.clientWidth")
         assert overflow <= 0, f"{page.slug}: {overflow}px horizontal overflow at width {width}"
         assert browser.errors() == []
+
+
+@pytest.mark.slow
+def test_truncation_page_equals_python_for_every_sampler(built, browser):
+    """The sampler-truncation core in the browser against Python for every kind, staleness and temperature, and the
+    knob's slider following the kind (range, integer steps for top-k, its starting value)."""
+    page = next(p for p in pages_mod.pages() if p.slug == "sampler_truncation")
+    browser.open((built / f"{page.slug}.html").as_uri(), ready=BOKEH_READY)
+    for kind, level in (("top_p", 0.55), ("top_k", 1), ("top_k", 5), ("top_k", 64), ("min_p", 0.0), ("min_p", 0.3)):
+        for kl, temperature, seed in ((0.0, 1.0, 0), (0.3, 0.6, 7)):
+            params = {**page.params, "kind": kind, "level": level, "kl": kl, "temperature": temperature, "seed": seed}
+            js = browser.js(f"TeachCore.samplerTruncation.pageData({json.dumps(params)}, {json.dumps(page.grids)})")
+            assert _close(js, page.python(params)) == [], (kind, level, kl, temperature)
+    model = "Bokeh.documents[0].get_model_by_name"
+    for kind in ("top_k", "min_p", "top_p"):
+        browser.js(f"{model}('kind').value = {json.dumps(kind)}")
+        got = browser.js(f"(() => {{ const s = {model}('level'); return [s.start, s.end, s.step, s.value]; }})()")
+        r = page.grids["ranges"][kind]
+        assert got == [r["start"], r["end"], r["step"], r["value"]], kind
+        assert browser.js(f"{model}('numbers').text").count(page.grids["titles"][kind].split()[0]) >= 1
+    assert browser.errors() == []
 
 
 def test_index_links_every_page(built):

@@ -7,6 +7,7 @@ One module per idea, each a set of pure functions with the formulas and sources 
     vespo_kernel      VESPO's kernel as a proposal between mu and pi, and Proposition 3.1's bound
     gvpo_zero_sum     GVPO's zero-sum weights: why Z(x) cancels, and the optimum from off-policy samples
     vopd_baseline     vOPD's baseline -KL_t: unbiased, and when it does and does not lower the variance
+    sampler_truncation  top-p / top-k / min-p: the ratio averages the kept mass, mask replay, the two truths
 
 Shared pieces: ``tokens`` (a next-token distribution and a stale behaviour at a chosen KL), ``hashrng`` (random
 draws reproducible in JavaScript), ``exercises`` (checked answers), ``plots`` (matplotlib figures), ``live``
@@ -59,4 +60,8 @@ LESSONS = (
            "Lesson: vOPD's baseline -KL_t, why it is unbiased, and where it lowers or raises the variance of "
            "on-policy distillation.",
            {"vocabs": [3, 32], "draws": 40, "settings": [[1.0, 0.0]], "mc_samples": 300}),
+    Lesson("teach_sampler_truncation", "notebooks/teach/06_sampler_truncation.ipynb",
+           "Lesson: what a top-p, top-k or min-p sampler does to the trainer's ratio (it averages the kept mass), "
+           "what mask replay fixes, and the one-token update's bias against the full and the deployed policy.",
+           {"vocab": 16, "top_ps": [1.0, 0.8, 0.5], "batch": 256}),
 )

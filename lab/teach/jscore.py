@@ -1,11 +1,12 @@
 """The JavaScript twin of the lessons' numpy cores, inlined into every browser page (lab.teach.pages).
 
-``SOURCE`` defines ``window.TeachCore`` with one object per lesson whose ``pageData(params, grids)`` returns the same
-dict as the Python ``page_data`` of that lesson (lab.teach.weight_explosion, clip_mask, vespo_kernel, gvpo_zero_sum,
-vopd_baseline), from the same formulas, the same random streams (lab.teach.hashrng) and the same fixed-step
-bisection (lab.teach.tokens). The page tests evaluate both in headless Chromium and compare them number by number.
-Registry hyper-parameters (clip ranges, caps, VESPO's defaults) are not repeated here: the pages pass the
-registry's values in ``params``.
+``SOURCE`` defines ``window.TeachCore`` with one object per lesson whose ``pageData(params, grids)`` returns the
+same dict as the Python ``page_data`` of that lesson (lab.teach.weight_explosion, clip_mask, vespo_kernel,
+gvpo_zero_sum, vopd_baseline, sampler_truncation), from the same formulas, the same random streams
+(lab.teach.hashrng), the same fixed-step bisection (lab.teach.tokens) and the same kept sets
+(lab.policies.truncation.kept_set, vLLM's rules). The page tests evaluate both in headless Chromium and compare them
+number by number. Registry hyper-parameters (clip ranges, caps, VESPO's defaults, the ratio band) are not repeated
+here: the pages pass the registry's values in ``params``.
 """
 
 SOURCE = r"""
@@ -329,7 +330,91 @@ window.TeachCore = (function () {
     },
   };
 
+  // ---- sampler truncation (lab/teach/sampler_truncation.py; the kept set of lab/policies/truncation.py) ----
+  function softmax(z) {  // as torch: exp(z - max) / sum
+    const m = Math.max(...z), e = z.map((x) => Math.exp(x - m)), s = sum(e);
+    return e.map((x) => x / s);
+  }
+  function keptSet(z, kind, level) {  // vLLM's order min-p, top-k, top-p; settings that cut nothing are skipped
+    const V = z.length;
+    let keep = z.map((x) => x > -Infinity);
+    const masked = () => z.map((x, i) => (keep[i] ? x : -Infinity));
+    if (kind === "min_p" && level > 0) {
+      const p = softmax(z), mx = Math.max(...p);
+      keep = keep.map((k, i) => k && p[i] >= level * mx);
+    }
+    if (kind === "top_k" && Math.trunc(level) < V) {
+      const kth = masked().slice().sort((a, b) => b - a)[Math.trunc(level) - 1];
+      keep = keep.map((k, i) => k && z[i] >= kth);
+    }
+    if (kind === "top_p" && level < 1) {
+      const p = softmax(masked()), ps = p.slice().sort((a, b) => a - b), cs = [];
+      let c = 0;
+      for (const x of ps) { c += x; cs.push(c); }
+      const mx = Math.max(...p);
+      keep = keep.map((k, i) => {
+        let last = -1;  // the last of p[i]'s tie class in ascending order (searchsorted right - 1)
+        for (let j = 0; j < ps.length && ps[j] <= p[i]; j++) last = j;
+        return (k && !(cs[last] <= 1 - level)) || p[i] === mx;
+      });
+    }
+    return keep;
+  }
+  function truncSetting(p, kind, level) {
+    const z = logits(p.vocab, p.seed, p.sharpness);
+    let zs = z;
+    if (p.kl !== 0) {
+      const e = direction(p.vocab, p.seed), s = behaviourScale(z, e, p.kl);
+      zs = z.map((x, i) => x + s * e[i]);
+    }
+    const tempered = zs.map((x) => x / p.temperature), kept = keptSet(tempered, kind, level);
+    const logMu = logSoftmax(tempered.map((x, i) => (kept[i] ? x : -Infinity)));
+    const logM = logSumExp(z.map((x, i) => (kept[i] ? x : -Infinity))) - logSumExp(z);
+    return { logPi: logSoftmax(z), logMu, kept, logM, reward: normals(1000000 + p.seed, p.vocab) };
+  }
+  function truncMeasures(s, p) {  // p.band: the ratio band; p.methods, p.hyper: the registry's
+    const [lo, hi] = p.band, methods = p.methods, hyper = p.hyper;
+    const pi = exp(s.logPi), mu = s.logMu.map((x, i) => (s.kept[i] ? Math.exp(x) : 0));
+    const logPiS = s.logPi.map((x, i) => (s.kept[i] ? x - s.logM : -Infinity)), piS = exp(logPiS);
+    const ratio = { plain: s.logPi.map((x, i) => (s.kept[i] ? Math.exp(x - s.logMu[i]) : 1)),
+                    replay: logPiS.map((x, i) => (s.kept[i] ? Math.exp(x - s.logMu[i]) : 1)) };
+    const R = s.reward, mR = dot(mu, R), adv = R.map((x) => x - mR);
+    const truth = (q) => { const e = dot(q, R); return q.map((x, i) => x * R[i] - x * e); };
+    const T = { full: truth(pi), deployed: truth(piS) };
+    const unit = norm(T.full), rel = (g, t) => norm(g.map((x, i) => x - t[i])) / unit;  // units of |grad J(pi)|
+    const out = (r) => dot(mu, r.map((x) => (x < lo || x > hi ? 1 : 0)));
+    const res = { kept_mass: Math.exp(s.logM), kept_count: s.kept.filter((k) => k).length,
+                  mean_ratio: dot(mu, ratio.plain), mean_ratio_replay: dot(mu, ratio.replay),
+                  share_out: out(ratio.plain), share_out_replay: out(ratio.replay),
+                  gap: rel(T.deployed, T.full), bias: {} };
+    for (const m of methods) {
+      res.bias[m] = {};
+      for (const [key, score] of [["plain", pi], ["replay", piS]]) {
+        const a = mu.map((w, i) => w * COEF[m](ratio[key][i], adv[i], hyper[m] || {}) * adv[i]), sa = sum(a);
+        const g = a.map((x, i) => x - score[i] * sa);
+        res.bias[m][key] = { full: rel(g, T.full), deployed: rel(g, T.deployed) };
+      }
+    }
+    return res;
+  }
+  const samplerTruncation = {
+    pageData(p, g) {
+      const s = truncSetting(p, p.kind, p.level), grid = g[p.kind];
+      const curves = { kept_mass: [], kept_count: [], mean_ratio: [], share_out: [], gap: [], share_out_replay: [],
+                       bias: {} };
+      for (const m of p.methods) curves.bias[m] = { plain: { full: [], deployed: [] }, replay: { full: [], deployed: [] } };
+      for (const level of grid) {
+        const r = truncMeasures(truncSetting(p, p.kind, level), p);
+        for (const k of ["kept_mass", "kept_count", "mean_ratio", "share_out", "gap", "share_out_replay"]) curves[k].push(r[k]);
+        for (const m of p.methods) for (const key of ["plain", "replay"]) for (const t of ["full", "deployed"])
+          curves.bias[m][key][t].push(r.bias[m][key][t]);
+      }
+      return { pi: exp(s.logPi), mu: exp(s.logMu), kept: s.kept.map((k) => (k ? 1 : 0)),
+               at: truncMeasures(s, p), grid, curves };
+    },
+  };
+
   return { mix32, uniforms, normals, logSoftmax, stalePair, COEF, weightExplosion, clipMask, vespoKernel,
-           gvpoZeroSum, vopdBaseline };
+           gvpoZeroSum, vopdBaseline, keptSet, samplerTruncation };
 })();
 """

@@ -19,7 +19,8 @@ import numpy as np
 
 from lab.estimators import vespo
 from lab.reports.style import color
-from lab.teach import clip_mask, gvpo_zero_sum, plots, tokens, vespo_kernel, vopd_baseline, weight_explosion
+from lab.teach import (clip_mask, gvpo_zero_sum, plots, sampler_truncation, tokens, vespo_kernel, vopd_baseline,
+                       weight_explosion)
 
 LIVE_DPI = 72
 NOTE = "Live controls: open this notebook in JupyterLab with a running kernel (make lab) to move them."
@@ -287,3 +288,71 @@ def vopd_ui(vocab: int = 3, sharpness: float = 1.0, closeness: float = 0.0, seed
                  "closeness": floats("teacher closeness", closeness, 0.0, 0.99, 0.01),
                  "seed": ints("draw", seed, 0, 50)},
                 draw, "vopd_baseline")
+
+
+# ---- 6 --------------------------------------------------------------------------------------------------------
+
+def sampler_truncation_ui(kind: str = "top_p", level: float | None = None, temperature: float = 1.0, kl: float = 0.0,
+                          seed: int = 0, vocab: int = 64) -> Live:
+    """The sampler's kind and knob (p, k or the min-p threshold: one slider whose range follows the kind), its
+    temperature and staleness, and the draw."""
+    import ipywidgets as w
+
+    _, floats, ints, choice = _sliders()
+    st = sampler_truncation
+    start = st.level_range(kind, vocab)
+    value = start["value"] if level is None else level
+    knob_slider = w.FloatSlider(value=value, min=min(start["start"], value), max=max(start["end"], value),
+                                step=start["step"], description=st.LEVEL_TITLES[kind],
+                                continuous_update=False, style={"description_width": "initial"},
+                                layout=w.Layout(width="95%"), readout_format=".0f" if kind == "top_k" else ".2f")
+    kinds = choice("sampler", kind, [(st.KIND_LABELS[k], k) for k in st.KINDS])
+
+    def follow(change):  # the knob's range and starting value follow the kind (observed before Live's redraw)
+        r = st.level_range(change["new"], vocab)
+        knob_slider.min, knob_slider.max = min(knob_slider.min, r["start"]), max(knob_slider.max, r["end"])
+        knob_slider.step, knob_slider.value = r["step"], r["value"]
+        knob_slider.min, knob_slider.max = r["start"], r["end"]
+        knob_slider.description = st.LEVEL_TITLES[change["new"]]
+        knob_slider.readout_format = ".0f" if change["new"] == "top_k" else ".2f"
+
+    kinds.observe(follow, names="value")
+
+    def draw(kind, level, temperature, kl, seed):
+        level = round(level) if kind == "top_k" else level
+        table = st.sweep(kind, st.level_grid(kind, vocab), vocab, seed, 2.0, kl, temperature)
+        tok = st.token_table(kind, level, vocab, seed, 2.0, kl, temperature)
+        at = st.measures(st.setting(kind, level, vocab, seed, 2.0, kl, temperature))
+        label, knob_label = st.KIND_LABELS[kind], st.LEVEL_TITLES[kind]
+        fig, (ax, bx, cx) = plots._fig(3, width=3.4, height=3.2, fast=True)
+        fig.subplots_adjust(left=0.06, wspace=0.32)
+        plots.kept_tokens(ax, tok, f"{label} {level:g}: {int(at['kept_count'])} kept, m = {at['kept_mass']:.3f}")
+        bx.plot(*plots._setting_curve(table, "kept_mass"), color=plots.COLORS[0], lw=2, label="kept mass = mean ratio")
+        bx.plot(*plots._setting_curve(table, "share_out"), color=plots.COLORS[1], lw=2, label="outside band, no replay")
+        bx.plot(*plots._setting_curve(table, "share_out", True), "--", color=plots.COLORS[2], lw=2,
+                label="outside band, replay")
+        plots.bias_lines(cx, table, "deployed", st.LABELS, markers=False)
+        cx.plot(*plots._setting_curve(table, "gap"), ":", color="k", lw=2, label="deployed vs full (gap)")
+        bx.set(xlabel=knob_label, ylim=(-0.05, 1.05), title="ratio")
+        cx.set(xlabel=knob_label, title="bias against grad J(pi_S)")
+        for a, where in ((bx, "center left"), (cx, "upper left")):
+            a.axvline(level, color="0.5", ls=":")
+            a.legend(fontsize=6, loc=where)
+            if kind != "min_p":
+                a.invert_xaxis()
+        b = at["bias"]
+        text = (f"{label} {level:g} keeps {int(at['kept_count'])} of {vocab} tokens, kept mass m = "
+                f"{_fmt(at['kept_mass'])} = mean ratio {_fmt(at['mean_ratio'])}; outside [{st.BAND[0]:g}, "
+                f"{st.BAND[1]:g}]: {at['share_out']:.0%} of sampled tokens without replay, "
+                f"{at['share_out_replay']:.0%} with; IS bias against the deployed gradient "
+                f"{_fmt(b['token_is']['plain']['deployed'])} without replay, "
+                f"{_fmt(b['token_is']['replay']['deployed'])} with; against the full gradient "
+                f"{_fmt(b['token_is']['replay']['full'])} with replay (the gap no correction closes)")
+        return fig, text
+
+    return Live("Sampler truncation: kind, its knob, temperature, staleness, draw",
+                {"kind": kinds, "level": knob_slider,
+                 "temperature": floats("temperature", temperature, min(0.5, temperature), max(2.0, temperature), 0.05),
+                 "kl": floats("staleness KL", kl, 0.0, max(0.5, kl), 0.01),
+                 "seed": ints("draw", seed, 0, max(30, seed))},
+                draw, "sampler_truncation")

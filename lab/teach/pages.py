@@ -1,4 +1,4 @@
-"""Static browser pages with live controls for the five lessons: ``python -m lab.teach.pages DIR``.
+"""Static browser pages with live controls for the six lessons: ``python -m lab.teach.pages DIR``.
 
 Each page is one self-contained HTML file: Bokeh's plots and sliders with BokehJS inlined (``resources=INLINE``), and
 CustomJS callbacks that recompute the lesson with lab.teach.jscore, the JavaScript twin of the numpy cores, also
@@ -30,7 +30,8 @@ from lab.errors import LabError
 from lab.estimators import vespo
 from lab.reports.style import color as estimator_color
 from lab.runs import FILE_MARK, check_file, write_file
-from lab.teach import clip_mask, gvpo_zero_sum, jscore, vespo_kernel, vopd_baseline, weight_explosion
+from lab.teach import (clip_mask, gvpo_zero_sum, jscore, sampler_truncation, vespo_kernel, vopd_baseline,
+                       weight_explosion)
 from lab.teach.plots import MU, TARGET
 
 TV_FLOOR = 1e-9
@@ -396,6 +397,119 @@ numbers.text = `This pair: V = -KL = ${fmt(m.value)}, b* = ${fmt(m.b_star)}, so 
     return _page_layout(page, [vocab, sharp, close, seed], [f1, f2], numbers), cb
 
 
+# ---- 6. sampler truncation ------------------------------------------------------------------------------------
+
+def _truncation_tokens(d, shown: int = 24) -> dict:
+    order = np.argsort(-np.asarray(d["pi"]), kind="stable")[:shown]
+    return {"x": list(range(len(order))), "pi": [d["pi"][i] for i in order], "mu": [d["mu"][i] for i in order],
+            "color": [PALETTE[0] if d["kept"][i] else "#bbbbbb" for i in order]}
+
+
+def _truncation_bias(d, truth: str, methods) -> dict:
+    rows = [(m, r) for m in methods for r in ("plain", "replay")]
+    xs = [d["grid"]] * len(rows)
+    ys = [d["curves"]["bias"][m][r][truth] for m, r in rows]
+    out = {"x": xs, "y": ys, "color": [estimator_color(m) for m, _ in rows],
+           "dash": ["solid" if r == "plain" else "dashed" for _, r in rows],
+           "width": [4 - 1.2 * (i // 2) for i in range(len(rows))],
+           "label": [f"{sampler_truncation.LABELS[m]}{', replay' if r == 'replay' else ''}" for m, r in rows]}
+    if truth == "full":
+        out = {k: v + [{"x": d["grid"], "y": d["curves"]["gap"], "color": "#000000", "dash": "dotted", "width": 2,
+                        "label": "gap: deployed vs full"}[k]] for k, v in out.items()}
+    return out
+
+
+def _truncation_page(page: Page):
+    _, models, _ = _bk()
+    p0, g = page.params, page.grids
+    d = page.python(p0)
+    methods = list(p0["methods"])
+    r0 = g["ranges"][p0["kind"]]
+    kind = models.Select(name="kind", title="sampler", value=p0["kind"],
+                         options=[(k, sampler_truncation.KIND_LABELS[k]) for k in sampler_truncation.KINDS],
+                         sizing_mode="stretch_width")
+    level = _slider("level", g["titles"][p0["kind"]], p0["level"], r0["start"], r0["end"], r0["step"])
+    temp = _slider("temperature", "sampler temperature (the kept set is chosen after it)", p0["temperature"], 0.5,
+                   2.0, 0.05)
+    kl = _slider("kl", "staleness: KL(sampler's logits || pi) before truncation", p0["kl"], 0.0, 0.5, 0.01)
+    seed = _slider("seed", "draw (seed of pi, the staleness direction and the rewards)", p0["seed"], 0, 30, 1, "0")
+    tok = models.ColumnDataSource(_truncation_tokens(d), name="tokens")
+    c = d["curves"]
+    ratio = models.ColumnDataSource({"x": d["grid"], "m": c["kept_mass"], "mean": c["mean_ratio"],
+                                     "out": c["share_out"], "out_replay": c["share_out_replay"]}, name="ratio")
+    full = models.ColumnDataSource(_truncation_bias(d, "full", methods), name="bias_full")
+    dep = models.ColumnDataSource(_truncation_bias(d, "deployed", methods), name="bias_deployed")
+    flipped = p0["kind"] != "min_p"
+    f1 = _figure("The kept set: pi (blue kept, grey dropped) and the sampler mu (dots)",
+                 "token, most probable first (the first 24)", "probability")
+    f1.vbar(x="x", top="pi", width=0.8, color="color", source=tok, legend_label="pi")
+    f1.scatter("x", "mu", source=tok, color=MU, size=6, legend_label="sampler mu")
+    f2 = _figure(f"Kept mass = mean ratio; share of sampled ratios outside [{p0['band'][0]:g}, {p0['band'][1]:g}]",
+                 g["titles"][p0["kind"]], "value", y_range=(-0.05, 1.05))
+    f2.line("x", "m", source=ratio, line_width=2, color=PALETTE[0], legend_label="kept mass m = pi(S)")
+    f2.scatter("x", "mean", source=ratio, color=PALETTE[1], size=5, legend_label="E_mu[pi/mu]")
+    f2.line("x", "out", source=ratio, line_width=2, color=PALETTE[3], legend_label="outside the band, no replay")
+    f2.line("x", "out_replay", source=ratio, line_width=2, color=PALETTE[2], line_dash="dashed",
+            legend_label="outside the band, replay")
+    _legend_below(f2, 2)
+    f3 = _figure("Bias of the expected one-token update against grad J(pi_S), the deployed policy",
+                 g["titles"][p0["kind"]], "|E[update] - truth| / |grad J(pi)|")
+    f3.multi_line("x", "y", color="color", line_dash="dash", line_width="width", legend_field="label", source=dep)
+    _legend_below(f3, 3)
+    f4 = _figure("... and against grad J(pi), the full policy", g["titles"][p0["kind"]],
+                 "|E[update] - truth| / |grad J(pi)|")
+    f4.multi_line("x", "y", color="color", line_dash="dash", line_width="width", legend_field="label", source=full)
+    _legend_below(f4, 3)
+    marks = []
+    for i, f in enumerate((f2, f3, f4)):
+        f.x_range.flipped = flipped
+        mark = models.Span(location=p0["level"], dimension="height", line_dash="dashed", line_color="#777",
+                           name=f"marker{i}")
+        f.add_layout(mark)
+        marks.append(mark)
+    numbers = _text("", name="numbers")
+    cb = _callback(page, dict(tok=tok, ratio=ratio, full=full, dep=dep, kind=kind, level=level, temp=temp, kl=kl,
+                              seed=seed, numbers=numbers, marks=marks, ranges=[f.x_range for f in (f2, f3, f4)],
+                              axes=[f.xaxis[0] for f in (f2, f3, f4)]),
+                   """if (cb_obj === kind) {  // the knob's range, title and starting value follow the kind
+  const r = GRIDS.ranges[kind.value];
+  level.start = Math.min(level.start, r.start); level.end = Math.max(level.end, r.end);
+  level.step = r.step; level.format = kind.value === "top_k" ? "0" : "0[.]00"; level.title = GRIDS.titles[kind.value];
+  level.value = r.value; level.start = r.start; level.end = r.end;
+  for (const x of ranges) x.flipped = kind.value !== "min_p";
+  for (const ax of axes) ax.axis_label = GRIDS.titles[kind.value];
+}
+p.kind = kind.value; p.level = kind.value === "top_k" ? Math.round(level.value) : level.value;
+p.temperature = temp.value; p.kl = kl.value; p.seed = Math.round(seed.value);""",
+                   """const order = d.pi.map((v, i) => i).sort((a, b) => d.pi[b] - d.pi[a]).slice(0, 24);
+tok.data = {x: order.map((v, j) => j), pi: order.map((i) => d.pi[i]), mu: order.map((i) => d.mu[i]),
+  color: order.map((i) => (d.kept[i] ? "#1f77b4" : "#bbbbbb"))};
+const c = d.curves;
+ratio.data = {x: d.grid, m: c.kept_mass, mean: c.mean_ratio, out: c.share_out, out_replay: c.share_out_replay};
+const bias = (truth) => {
+  const rows = [];
+  for (const m of p.methods) for (const r of ["plain", "replay"]) rows.push(c.bias[m][r][truth]);
+  return rows;
+};
+const nd = dep.data.x.length;
+dep.data = {x: rows(nd), y: bias("deployed"), color: dep.data.color, dash: dep.data.dash, width: dep.data.width,
+  label: dep.data.label};
+full.data = {x: rows(nd + 1), y: bias("full").concat([c.gap]), color: full.data.color, dash: full.data.dash,
+  width: full.data.width, label: full.data.label};
+function rows(n) { return Array.from({length: n}, () => d.grid); }
+for (const mk of marks) mk.location = p.level;
+const a = d.at, b = a.bias.token_is, pc = (x) => fmt(100 * x) + " %";
+const shown = p.kind === "top_k" ? String(p.level) : fmt(p.level);
+numbers.text = `<b>${kind.options.find((o) => o[0] === p.kind)[1]} ${shown}</b> keeps ${a.kept_count} of ` +
+  `${p.vocab} tokens holding <b>m = ${fmt(a.kept_mass)}</b> of pi; the mean ratio pi/mu under the sampler is ` +
+  `${fmt(a.mean_ratio)} (= m). Sampled ratios outside [${p.band[0]}, ${p.band[1]}]: ${pc(a.share_out)} without ` +
+  `replay, ${pc(a.share_out_replay)} with. Importance sampling's expected update is off the deployed gradient by ` +
+  `${fmt(b.plain.deployed)} without replay and ${fmt(b.replay.deployed)} with it; off the full gradient by ` +
+  `${fmt(b.replay.full)} with replay: the gap that no correction closes (all in units of |grad J(pi)|).`;""")
+    _wire(cb, (kind, level, temp, kl, seed))
+    return _page_layout(page, [kind, level, temp, kl, seed], [f1, f2, f3, f4], numbers), cb
+
+
 # ---- the page registry ---------------------------------------------------------------------------------------
 
 def _clip_python(p: dict) -> dict:
@@ -408,8 +522,17 @@ VESPO_EDGES = np.linspace(-8.0, 8.0, 33).tolist()
 VESPO_GRID = np.linspace(-4.0, 3.0, 141).tolist()
 
 
+def _truncation_python(p: dict) -> dict:
+    return sampler_truncation.page_data(p["kind"], p["level"], p["vocab"], p["seed"], p["sharpness"], p["kl"],
+                                        p["temperature"], TRUNCATION_GRIDS[p["kind"]])
+
+
+TRUNCATION_VOCAB = 64
+TRUNCATION_GRIDS = {k: sampler_truncation.level_grid(k, TRUNCATION_VOCAB) for k in sampler_truncation.KINDS}
+
+
 def pages() -> list[Page]:
-    """The five pages with their default parameters."""
+    """The six pages with their default parameters."""
     return [
         Page("weight_explosion", "Why sequence weights explode with length",
              "<p>A stale sampler mu and the policy pi differ by a small KL per token. The sequence weight "
@@ -458,6 +581,23 @@ def pages() -> list[Page]:
              lambda p: vopd_baseline.page_data(p["vocab"], p["sharpness"], p["closeness"], p["seed"], p["draws"],
                                                vopd_baseline.DEFAULT_VOCABS),
              _vopd_page, {"vocab": 64, "sharpness": 2.5, "closeness": 0.5, "seed": 7}, ("parabola", "marks", "helps")),
+        Page("sampler_truncation", "Sampler truncation: top-p, the kept mass and mask replay",
+             "<p>The engine samples from the kept set S of top-p (or top-k, min-p), renormalised: mu = pi restricted "
+             "to S / pi(S). Every sampled token's ratio pi/mu is then the kept mass m = pi(S), so the ratio averages "
+             "m, not 1. Replaying the mask (the trainer's log-softmax renormalised over S) makes the ratio 1 and "
+             "importance sampling exact for the deployed policy; nothing recovers the full policy's gradient, "
+             "because tokens outside S are never drawn.</p>",
+             "samplerTruncation",
+             {"kind": "top_p", "level": 0.8, "vocab": TRUNCATION_VOCAB, "seed": 0, "sharpness": 2.0, "kl": 0.0,
+              "temperature": 1.0, "methods": list(sampler_truncation.METHODS),
+              "hyper": {m: _coefficient_hyper(m) for m in sampler_truncation.METHODS},
+              "band": list(sampler_truncation.BAND)},
+             {**TRUNCATION_GRIDS, "ranges": {k: sampler_truncation.level_range(k, TRUNCATION_VOCAB)
+                                             for k in sampler_truncation.KINDS},
+              "titles": dict(sampler_truncation.LEVEL_TITLES)},
+             _truncation_python, _truncation_page,
+             {"level": 0.7, "kind": "min_p", "temperature": 1.5, "kl": 0.2, "seed": 3},
+             ("tokens", "ratio", "bias_full", "bias_deployed")),
     ]
 
 
@@ -486,7 +626,7 @@ def _index(built: list[Page]) -> str:
 <title>Off-policy variance lab: lessons</title>
 <style>body {{ font-family: system-ui, sans-serif; max-width: 760px; margin: 2em auto; padding: 0 1em; }}
 li {{ margin: .5em 0; }}</style></head><body>
-<h1>Off-policy variance: five lessons with live controls</h1>
+<h1>Off-policy variance: six lessons with live controls</h1>
 <p>Each page runs in the browser with no Python and no network. The notebooks behind them are in
 <code>notebooks/teach/</code>.</p>
 <ol>{items}</ol>

@@ -15,6 +15,7 @@ import io
 import numpy as np
 import pandas as pd
 from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
 
 from lab.reports.style import color
 
@@ -320,4 +321,94 @@ def helps_against_vocab(tables: dict) -> Figure:
     bx.set(xscale="log", xlabel="vocabulary size V", ylabel="Var(vOPD) / Var(OPD)",
            title="Median ratio (band: quartiles)")
     ax.legend(fontsize=7)
+    return fig
+
+
+# ---- 6. sampler truncation -------------------------------------------------------------------------------------
+
+MARKERS = ("o", "s", "^", "D", "v")  # methods whose curves coincide stay visible (decreasing marker sizes)
+
+
+def kept_tokens(ax, table: pd.DataFrame, title: str, shown: int = 24) -> None:
+    """pi per token, most probable first (kept: blue, dropped: grey), and the sampler's mu (black dots)."""
+    t = table.head(shown)
+    x = np.arange(len(t))
+    ax.bar(x, t["pi"], color=np.where(t["kept"], COLORS[0], "#bbbbbb"), label="pi (grey: outside the kept set)")
+    ax.plot(x, t["mu"], "o", color=MU, ms=3, label="sampler mu")
+    ax.set(xlabel=f"token, most probable first (the first {len(t)})", ylabel="probability", title=title)
+    ax.legend(fontsize=7, loc="upper right")
+
+
+def truncation_tokens(table: pd.DataFrame, kind_label: str, band) -> Figure:
+    """Left: the kept set (``kept_tokens``); right: each kept token's ratio pi/mu without replay and pi_S/mu with
+    replay, the band shaded."""
+    fig, (ax, bx) = _fig(2, width=5.0, height=3.4)
+    kept = table[table["kept"]]
+    kept_tokens(ax, table, f"{kind_label}: {len(kept)} of {len(table)} tokens kept")
+    x = np.arange(len(kept))
+    bx.axhspan(*band, color=COLORS[2], alpha=0.15, label=f"band [{band[0]:g}, {band[1]:g}]")
+    bx.plot(x, kept["ratio"], "o", color=COLORS[1], ms=5, label="pi / mu (no replay)")
+    bx.plot(x, kept["ratio_replay"], "s", color=COLORS[0], ms=4, label="pi_S / mu (replay)")
+    bx.xaxis.set_major_locator(MaxNLocator(integer=True))
+    bx.set(xlabel="kept token, most probable first", ylabel="trainer / sampler ratio",
+           title="Ratios of the kept tokens",
+           ylim=(min(0.4, float(kept["ratio"].min()) - 0.05), max(1.2, float(kept["ratio"].max()) + 0.05)))
+    bx.legend(fontsize=7)
+    return fig
+
+
+def _curve(table: pd.DataFrame, method: str, metric: str, replay: bool = False):
+    """(levels, values) of one curve of a sampler_truncation sweep, as float arrays."""
+    sel = table[(table.method == method) & (table.metric == metric) & (table.replay == replay)]
+    return sel["level"].to_numpy(np.float64), sel["value"].to_numpy(np.float64)
+
+
+def _setting_curve(table: pd.DataFrame, metric: str, replay: bool = False):
+    return _curve(table, "-", metric, replay)
+
+
+def ratio_against_level(table: pd.DataFrame, xlabel: str, band) -> Figure:
+    """Kept mass and the mean ratio under the sampler (equal), and the share of sampled tokens outside the band
+    without and with replay, against the sampler's knob."""
+    fig, (ax, bx) = _fig(2, width=4.8, height=3.4)
+    ax.plot(*_setting_curve(table, "kept_mass"), color=COLORS[0], lw=2, label="kept mass m = pi(S)")
+    ax.plot(*_setting_curve(table, "mean_ratio"), "o", color=COLORS[1], ms=5, label="E_mu[pi / mu]")
+    ax.axhspan(*band, color=COLORS[2], alpha=0.15)
+    ax.set(xlabel=xlabel, ylabel="value", title="The mean ratio is the kept mass")
+    ax.legend(fontsize=7)
+    for replay, c, ls, label in ((False, COLORS[1], "-", "no replay"), (True, COLORS[0], "--", "with replay")):
+        bx.plot(*_setting_curve(table, "share_out", replay), ls, color=c, lw=2, marker=".", label=label)
+    bx.set(xlabel=xlabel, ylabel="share of sampled tokens", ylim=(-0.05, 1.05),
+           title=f"Ratio outside [{band[0]:g}, {band[1]:g}]")
+    bx.legend(fontsize=7)
+    for a in (ax, bx):
+        if table.kind.iloc[0] != "min_p":  # from no truncation (left) to the strongest (right)
+            a.invert_xaxis()
+    return fig
+
+
+def bias_lines(ax, table: pd.DataFrame, truth: str, labels: dict, markers: bool = True) -> None:
+    """Each method's bias against ``truth`` (solid: no replay, dashed: replay); coinciding curves stay visible by
+    their markers (or, without markers, by decreasing line widths)."""
+    methods = [m for m in table.method.unique() if m != "-"]
+    for i, m in enumerate(methods):
+        style = {"lw": 2, "marker": MARKERS[i % len(MARKERS)], "ms": 6 - 1.5 * i} if markers else {"lw": 4 - 1.2 * i}
+        for replay, ls in ((False, "-"), (True, "--")):
+            ax.plot(*_curve(table, m, f"bias_{truth}", replay), ls, color=color(m), **style,
+                    label=f"{labels[m]}{', replay' if replay else ''}")
+
+
+def bias_against_level(table: pd.DataFrame, labels: dict, xlabel: str) -> Figure:
+    """The bias of each expected one-token update (in units of |grad J(pi)|) against the full gradient (left, with
+    the gap between the truths) and the deployed gradient (right), without (solid) and with (dashed) replay."""
+    fig, axes = _fig(2, width=4.8, height=3.6)
+    for ax, truth, title in zip(axes, ("full", "deployed"), ("against grad J(pi), the full policy",
+                                                             "against grad J(pi_S), the deployed policy")):
+        bias_lines(ax, table, truth, labels)
+        if truth == "full":
+            ax.plot(*_setting_curve(table, "gap"), ":", color="k", lw=2, label="gap |grad J(pi_S) - grad J(pi)|")
+        ax.set(xlabel=xlabel, ylabel="|E[update] - truth| / |grad J(pi)|", title=title)
+        if table.kind.iloc[0] != "min_p":
+            ax.invert_xaxis()
+    axes[0].legend(fontsize=6)
     return fig

@@ -1,7 +1,8 @@
 """What the real_staleness_training report decides and draws: decisions from the study's Summary alone (which
 estimators degrade as N grows and whether the seeds resolve it, which of VESPO's orderings the miniature reproduces,
-Shen et al., arXiv 2602.10693), the sentences in templates/, the miniature beside the paper's table, and figures from
-the tidy results table (the training curves are the staleness_training study's figure)."""
+Shen et al., arXiv 2602.10693, which corrections lose accuracy under a top-p sampler and whether mask replay wins it
+back), the sentences in templates/, the miniature beside the paper's table, and figures from the tidy results table
+(the training curves are the staleness_training study's figure)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -22,7 +23,8 @@ HERE = Path(__file__).parent
 IQM = f"{LABEL}_iqm"
 AXIS = {"sync": "mini-batches per rollout N (max staleness N - 1)",
         "async": "staleness bound η (lags drawn on 0..lag_max)",
-        "mismatch": "sampler (bfloat16: weights and KV cache in bf16; +replay: the trainer replays its routes)"}
+        "mismatch": "sampler (bfloat16: weights and KV cache in bf16; +replay: the trainer replays its routes)",
+        "truncation": "sampler (top-p 1: nothing cut; +replay: the trainer renormalises over the kept sets)"}
 
 
 def summary_of(data: dict | Summary) -> Summary:
@@ -34,12 +36,21 @@ def _iv(v: list, fmt: str = "{:.2f}") -> str:
 
 
 def _order(xs) -> list[str]:
-    """Setting keys in display order: numerically when they are numbers, else as they first appear."""
+    """Setting keys in display order: numerically when they are numbers, else as they first appear (the study writes
+    the truncation settings in their display order)."""
     xs = list(dict.fromkeys(xs))
     try:
         return sorted(xs, key=float)
     except ValueError:
         return xs
+
+
+def _settings(s: Summary, study: str) -> list[str]:
+    """A study's setting keys in display order (the truncation study's as the summary lists them, without replay
+    where nothing is cut: a no-op, reported on its own)."""
+    if study == "truncation" and s.truncation:
+        return [x for x, t in s.truncation.items() if t.truncates or not t.replay]
+    return _order(next(iter(s.table[study].values())))
 
 
 def _at(s: Summary, study: str, x: str) -> dict:
@@ -129,25 +140,109 @@ def orderings(s: Summary) -> Orderings | None:
 
 
 @dataclass
+class TruncationRow:
+    """One estimator under one truncating sampler: against the untruncated sampler, and with mask replay."""
+
+    estimator: str
+    reference: list | None  # IQM [value, lo, hi] with the untruncated sampler, no replay (None: not run)
+    plain: list | None  # under truncation, the trainer scoring the full vocabulary
+    replayed: list | None  # under truncation, the trainer renormalising over the kept sets
+    collapse: list  # collapse rate [plain, replayed] (None where not run)
+    loses: bool | None  # plain's interval wholly below the reference's (None: one of them not run)
+    replay: str | None  # replayed against plain: raises | lowers | not separated (None: one of them not run)
+    recovery: str | None  # an estimator that loses: recovered (replay raises it, no longer below the reference) |
+    # partly (raises it, still below) | not recovered (replay does not raise it); None otherwise
+
+
+@dataclass
+class Truncation:
+    """One truncating sampler, over the estimators: who loses accuracy against the untruncated sampler and what mask
+    replay does about it (every verdict from 95% intervals that do not overlap)."""
+
+    sampler: str
+    reference: str | None  # the untruncated setting's key (None: not run)
+    kept_mass: float | None  # mean pi(S_t) without replay
+    rows: list  # TruncationRow
+    lost: list
+    recovered: list
+    partly: list
+    not_recovered: list
+    raised: list  # replay raised the accuracy, whether or not it had been lost
+    lowered: list
+
+
+def _apart_below(a: list, b: list) -> bool:
+    """a's interval lies wholly below b's."""
+    return a[2] < b[1]
+
+
+def truncation(s: Summary) -> list[Truncation]:
+    """Per truncating sampler: each estimator without replay against the untruncated sampler (loses: intervals
+    apart, below), with replay against without (raises / lowers / not separated), and for those that lose, whether
+    replay recovers it (raises it and is no longer below the untruncated sampler), partly (raises it, still below)
+    or not (does not raise it)."""
+    settings, table = s.truncation or {}, s.table.get("truncation", {})
+    ref = next((x for x, t in settings.items() if not t.truncates and not t.replay), None)
+    samplers: dict = {}  # sampler -> {replay: setting key}
+    for x, t in settings.items():
+        if t.truncates:
+            samplers.setdefault(t.sampler, {})[t.replay] = x
+    out = []
+    for sampler, keys in samplers.items():
+        rows = []
+        for e, cells in table.items():
+            def iqm(x):
+                return getattr(cells[x], IQM) if x is not None and x in cells else None
+
+            r, p, q = iqm(ref), iqm(keys.get(False)), iqm(keys.get(True))
+            if p is None and q is None:
+                continue
+            loses = None if r is None or p is None else _apart_below(p, r)
+            effect = None if p is None or q is None else \
+                "raises" if _apart_below(p, q) else "lowers" if _apart_below(q, p) else "not separated"
+            recovery = None
+            if loses and q is not None:
+                recovery = ("partly" if _apart_below(q, r) else "recovered") if effect == "raises" else \
+                    "not recovered"
+            collapse = [cells[k].collapse_rate[0] if k in cells else None for k in (keys.get(False), keys.get(True))]
+            rows.append(TruncationRow(e, r, p, q, collapse, loses, effect, recovery))
+        mass = settings[keys[False]].kept_mass if False in keys else settings[keys[True]].kept_mass
+        out.append(Truncation(sampler, ref, mass, rows, [r.estimator for r in rows if r.loses],
+                              *([r.estimator for r in rows if r.recovery == v]
+                                for v in ("recovered", "partly", "not recovered")),
+                              [r.estimator for r in rows if r.replay == "raises"],
+                              [r.estimator for r in rows if r.replay == "lowers"]))
+    return out
+
+
+@dataclass
 class Decisions:
     sync: Sync | None
-    regimes: dict  # "async" / "mismatch" -> [Spread per setting]
+    regimes: dict  # "async" / "mismatch" / "truncation" -> [Spread per setting]
     orderings: Orderings | None
+    truncation: list  # Truncation, per truncating sampler
 
 
 def decide(summary: dict | Summary) -> Decisions:
     s = summary_of(summary)
-    regimes = {study: [spread(s, study, x) for x in _order(next(iter(s.table[study].values())))]
-               for study in ("async", "mismatch") if s.table.get(study)}
-    return Decisions(sync(s), regimes, orderings(s))
+    regimes = {study: [spread(s, study, x) for x in _settings(s, study)]
+               for study in ("async", "mismatch", "truncation") if s.table.get(study)}
+    return Decisions(sync(s), regimes, orderings(s), truncation(s))
 
 
 # ---- text -----------------------------------------------------------------------------------------------------------
 
 def headline(name: str, summary: dict) -> str:
-    """One line for the gallery: what the miniature reproduces of the paper's orderings at the largest N."""
-    o = orderings(summary_of(summary))
+    """One line for the gallery: what the miniature reproduces of the paper's orderings at the largest N (without
+    the sync study: what a top-p sampler costs and what mask replay wins back)."""
+    s = summary_of(summary)
+    o = orderings(s)
     if o is None:
+        truncated = truncation(s)
+        if truncated and truncated[0].reference is not None:
+            return "; ".join(f"Under {t.sampler}: lost accuracy {', '.join(t.lost) or 'none'}"
+                             + (f", mask replay recovered {', '.join(t.recovered) or 'none'}" if t.lost else "")
+                             + f", replay raised {', '.join(t.raised) or 'none'}" for t in truncated)
         return ("fewer than two of the paper's estimators (ppo_clip, gspo, sapo, vespo) at two or more N in the "
                 "sync study")
     return (f"At N = {o.n}: reproduced {', '.join(o.reproduced) or 'none'}; reversed "
@@ -159,6 +254,21 @@ def answer(summary: dict) -> str:
     """Markdown: the sync study at its largest N, the async and mismatch settings, and the paper's orderings."""
     s = summary_of(summary)
     return render(HERE, "answer.md", s=s, d=decide(s), iv=_iv, paper_names=PAPER_NAMES)
+
+
+def truncation_table(summary: dict) -> pd.DataFrame:
+    """The truncation study per estimator (rows) and setting (columns, untruncated first): final held-out accuracy,
+    IQM [95% interval], and the collapse rate."""
+    s = summary_of(summary)
+    xs = _settings(s, "truncation") if s.table.get("truncation") else []
+    rows = []
+    for e, cells in s.table.get("truncation", {}).items():
+        row = {"estimator": e}
+        for x in xs or _order(cells):
+            if x in cells:
+                row[x] = f"{_iv(getattr(cells[x], IQM))}, collapse {cells[x].collapse_rate[0]:.0%}"
+        rows.append(row)
+    return pd.DataFrame(rows)
 
 
 def paper_table(summary: dict) -> pd.DataFrame:

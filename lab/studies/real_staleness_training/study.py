@@ -1,9 +1,9 @@
 """VESPO's staleness table in miniature on the lab's transformer: RL from a supervised warm start on a verifiable
 task, each correction trained under three kinds of staleness, aggregated over seeds.
 
-Three sweeps of the training simulator (``lab.engine.training`` with ``policy="transformer"``), each a
+Four sweeps of the training simulator (``lab.engine.training`` with ``policy="transformer"``), each a
 ``lab.engine.sweep.SweepSpec`` over estimator x setting x seed (``Config.specs``; the full table's specs are
-``lab/studies/real_staleness_training/sweeps/real_staleness_{sync,async,mismatch}.yaml``):
+``lab/studies/real_staleness_training/sweeps/real_staleness_{sync,async,mismatch,truncation}.yaml``):
 
 - ``sync``: every rollout of ``rollout_batch`` responses is split into N = ``minibatches`` mini-batches, one Adam step
   each, so mini-batch j is j updates stale (VESPO's N; N = 1 is on-policy). The number of rollouts is fixed, so a
@@ -15,6 +15,12 @@ Three sweeps of the training simulator (``lab.engine.training`` with ``policy="t
   routes, on top of a modest staleness (N = ``mismatch_minibatches``, 4) as in a real pipeline; the estimators that
   take the sampler's log-probs (TIS, MIS, VESPO) receive them. Setting labels: the sampler's dtype, "+replay" when
   routes are replayed.
+- ``truncation``: the sampler truncates every decoding step (top-p, vLLM's semantics: ``lab.policies.truncation``),
+  on top of the same modest staleness (N = ``truncation_minibatches``, 4), with and without mask replay: the trainer
+  renormalises its log-probs over the sampler's recorded kept sets, log pi(y_t) - log pi(S_t) (slime's sampling-mask
+  replay; without it the trainer scores the full vocabulary, so even on-policy every token ratio is pi(S_t) < 1).
+  Setting labels: "top-p 0.8", "+replay" when the kept sets are replayed; top-p 1 (nothing cut) is the reference,
+  where replay is a no-op and must leave every run identical (``truncation_noop_identical``).
 
 Score: the final exact accuracy on the task's HELD-OUT prompts, mean_x pi(a*(x) | x) (teacher-forced, no sampling
 noise), as the paper scores held-out benchmarks. Per estimator x setting, over seeds: its interquartile mean (IQM)
@@ -46,11 +52,13 @@ import pandas as pd
 
 import toy_envs
 from lab import estimators as registry
-from lab.configs import SEED_MAX, check_types
-from lab.engine.sweep import EXECUTORS, SweepSpec, load_results, run_sweep
+from lab.configs import SEED_MAX, check_types, check_unique
+from lab.engine.sweep import EXECUTORS, SweepSpec, cell_id, load_results, run_sweep
 from lab.engine.training import OVER_STALE, SAMPLER_DTYPES
 from lab.errors import LabError
+from lab.inputs import MAX_BYTES, load_json
 from lab.policies.transformer import parameter_count, size_config
+from lab.policies.truncation import active as truncation_active
 from lab.studies import StudyResult
 from lab.studies.staleness_training import aggregate as agg
 from lab.studies.staleness_training.paper import PAPER, PAPER_N, paper_comparison
@@ -58,7 +66,7 @@ from lab.studies.staleness_training.study import Curve, PaperComparison, validat
 from lab.typed import build, knob
 
 SCORE, LABEL = "final_heldout_accuracy", "final_accuracy"
-STUDIES = ("sync", "async", "mismatch")
+STUDIES = ("sync", "async", "mismatch", "truncation")
 SWEEPS = Path(__file__).parent / "sweeps"  # the full table's specs
 
 
@@ -105,6 +113,18 @@ class Config:
     """mismatch study: the sampler's dtypes ([] skips it)"""
     replay: list[bool] = knob([False, True])
     """mismatch study: whether the trainer replays the sampler's expert routes"""
+    top_ps: list[float] = knob([0.8], gt=0, le=1)
+    """truncation study: the sampler's top-p values ([] skips it); the reference is top-p 1 (nothing cut), run here
+    when listed, else the sync study's cells at the same N (the same runs)"""
+    mask_replay: list[bool] = knob([False, True])
+    """truncation study: whether the trainer renormalises its log-probs over the sampler's recorded kept sets"""
+    truncation_minibatches: int = knob(4, ge=1, le=100_000)
+    """truncation study: N, so that truncation adds to a modest staleness as in a real pipeline"""
+    truncation_estimators: list[str] | None = knob(["ppo_clip"])
+    """truncation study: its estimators, each with mask replay in the registry (none: the estimators above; the
+    default keeps the gallery's cost to four runs)"""
+    truncation_seeds: list[int] | None = knob([0, 1], ge=0, le=SEED_MAX)
+    """truncation study: its seeds (none: the seeds above)"""
     device: str = "cpu"
     """where the transformer trains: cpu | cuda"""
     n_boot: int = knob(2000, ge=10, le=1_000_000)
@@ -114,11 +134,11 @@ class Config:
     workers: int | None = knob(None, ge=1, le=4096)
     """parallel cells (none: every core)"""
     sweep_dir: str | None = None
-    """keep the sweeps' cells here (subfolders sync, async, mismatch) and resume from them (none: a temporary
-    folder)"""
+    """keep the sweeps' cells here (subfolders sync, async, mismatch, truncation) and resume from them (none: a
+    temporary folder)"""
     results: str | None = None
-    """aggregate the finished sweeps in this folder (subfolders sync, async, mismatch, e.g. of the full table's
-    specs) instead of running the sweeps above"""
+    """aggregate the finished sweeps in this folder (subfolders sync, async, mismatch, truncation, e.g. of the full
+    table's specs) instead of running the sweeps above"""
 
     def base(self) -> dict:
         return {"env": self.env, "policy": "transformer", "size": self.size, "warm_start": self.warm_start,
@@ -141,6 +161,13 @@ class Config:
                                            "minibatches": self.mismatch_minibatches},
                                           {"estimator": ests, "sampler_dtype": list(self.sampler_dtypes),
                                            "replay_routes": list(self.replay), "seed": seeds})
+        if self.top_ps and self.mask_replay:
+            specs["truncation"] = SweepSpec(
+                "real_staleness_truncation", {**base, "regime": "sync", "minibatches": self.truncation_minibatches},
+                {"estimator": list(self.estimators if self.truncation_estimators is None else
+                                   self.truncation_estimators),
+                 "top_p": list(self.top_ps), "mask_replay": list(self.mask_replay),
+                 "seed": list(self.seeds if self.truncation_seeds is None else self.truncation_seeds)})
         return specs
 
     def validate(self) -> None:
@@ -149,14 +176,19 @@ class Config:
             if not Path(self.results).is_dir():
                 raise LabError(f"results folder {self.results} does not exist; run the sweeps into it first "
                                "(lab sweep lab/studies/real_staleness_training/sweeps/real_staleness_sync.yaml "
-                               "--out DIR/sync, and the same for async and mismatch)")
+                               "--out DIR/sync, and the same for async, mismatch and truncation)")
             return
-        validate_sweeps(self, "minibatches, etas or sampler_dtypes")
+        for name in ("top_ps", "mask_replay", "truncation_estimators", "truncation_seeds"):
+            check_unique(name, getattr(self, name) or [])
+            if getattr(self, name) == [] and name.startswith("truncation_"):
+                raise LabError(f"{name} is empty; give at least one, or none for the lists above")
+        validate_sweeps(self, "minibatches, etas, sampler_dtypes or top_ps")
 
 
 SMOKE = {"env": "chain3", "size": "test", "estimators": ["reinforce", "ppo_clip", "vespo"], "minibatches": [1, 4],
          "seeds": [0, 1], "steps": 2, "rollout_batch": 32, "group_size": 4, "etas": [0, 2],
-         "sampler_dtypes": ["bfloat16"], "replay": [False, True], "n_boot": 200}  # what the tests build
+         "sampler_dtypes": ["bfloat16"], "replay": [False, True], "top_ps": [0.8],
+         "truncation_estimators": ["ppo_clip", "vespo"], "truncation_seeds": [0, 1], "n_boot": 200}  # the tests' build
 
 
 # ---- the summary's shape --------------------------------------------------------------------------------------------
@@ -213,6 +245,16 @@ class Setup:
 
 
 @dataclass
+class TruncationSetting:
+    """One setting of the truncation study: its sampler and whether the trainer replays its kept sets."""
+
+    sampler: str  # the label without "+replay", e.g. "top-p 0.8"
+    replay: bool
+    truncates: bool  # the sampler cuts anything (top-p 1 does not)
+    kept_mass: float | None = None  # mean pi(S_t) of the trainer's policy on the sampler's kept sets, every update
+
+
+@dataclass
 class Summary:
     study: str
     score: str  # the runs column scored
@@ -226,6 +268,9 @@ class Summary:
     mismatch_aware: list[str]
     mismatch_size: dict[str, float] | None = None  # mismatch study: mean |log pi_old - log mu| per token, per setting
     curves: dict[str, dict[str, Curve]] | None = None  # sync study: training accuracy J after each rollout
+    truncation: dict[str, TruncationSetting] | None = None  # truncation study, per setting key, in display order
+    truncation_noop_identical: bool | None = None  # replay at top-p 1 left every run's final score unchanged
+    truncation_reference_shared: bool | None = None  # the untruncated runs are the sync study's cells at the same N
 
 
 # ---- sweeps ---------------------------------------------------------------------------------------------------------
@@ -256,16 +301,22 @@ def _run_into(cfg: Config, root: Path, progress) -> dict:
 
 
 def load(root) -> dict:
-    """{study: (steps, runs)} from a folder of finished sweeps ``sync/``, ``async/``, ``mismatch/`` (any may be
-    missing); the mismatch tables get the column ``sampler``: the dtype, with "+replay" when routes are replayed."""
+    """{study: (steps, runs)} from a folder of finished sweeps ``sync/``, ``async/``, ``mismatch/``, ``truncation/``
+    (any may be missing); the mismatch tables get the column ``sampler``: the dtype, with "+replay" when routes are
+    replayed; the truncation tables theirs (``_label_truncation``), with the untruncated runs of the sync study's
+    cells where the truncation sweep ran none (``shared_reference``; column ``shared``)."""
     root, out = Path(root), {}
     for study in STUDIES:
         if (root / study / "sweep.json").is_file():
             out[study] = load_results(root / study)
     if "mismatch" in out:
         out["mismatch"] = tuple(_label_sampler(t) for t in out["mismatch"])
+    if "truncation" in out:
+        out["truncation"] = tuple(_label_truncation(t) for t in
+                                  shared_reference(root / "truncation", out["truncation"], out.get("sync")))
     if not out:
-        raise LabError(f"{root} holds no finished sweeps (expected subfolders sync/, async/ or mismatch/)")
+        raise LabError(f"{root} holds no finished sweeps (expected subfolders sync/, async/, mismatch/ or "
+                       f"truncation/)")
     return out
 
 
@@ -277,9 +328,93 @@ def _label_sampler(t: pd.DataFrame) -> pd.DataFrame:
     return t.assign(sampler=[f"{d}+replay" if r else str(d) for d, r in zip(dtype, replay)])
 
 
+KNOBS = {"top_p": "top-p", "top_k": "top-k", "min_p": "min-p"}  # the truncation grid keys the labels name
+
+
+def shared_reference(folder: Path, trunc: tuple, sync: tuple | None) -> bool:
+    """Where the truncation sweep ran no untruncated sampler (top-p 1), add the sync study's cells that are its
+    untruncated runs: the truncation sweep's base with top-p 1 and no replay, for each of its estimators and seeds, is
+    the same configuration, hence the same cell id, as a sync cell at the same N (``lab.engine.sweep.cell_id``: the
+    truncation fields at their defaults are not hashed). (steps, runs) with the column ``shared``: True on the rows
+    added."""
+    steps, runs = (t.assign(shared=False) for t in trunc)
+    if sync is None or not len(runs) or "top_p" not in runs or (runs["top_p"].astype(float) == 1).any():
+        return steps, runs
+    record = load_json(folder / "sweep.json", "sweep record", max_bytes=16 * MAX_BYTES)
+    if set(record["grid"]) - {"estimator", "seed", "top_p", "mask_replay"}:
+        return steps, runs  # other truncation knobs in the grid: no single untruncated twin
+    base = {**record["base"], "top_p": 1.0, "mask_replay": False}
+    ids = {cell_id({**base, "estimator": e, "seed": int(sd)}) for e, sd in
+           runs[["estimator", "seed"]].drop_duplicates().itertuples(index=False)}
+    out = []
+    for t, other in ((steps, sync[0]), (runs, sync[1])):
+        add = other[other["cell_id"].isin(ids)].assign(top_p=1.0, mask_replay=False, shared=True)
+        out.append(pd.concat([t, add[[c for c in t.columns if c in add]]], ignore_index=True))
+    return tuple(out)
+
+
+def _label_truncation(t: pd.DataFrame) -> pd.DataFrame:
+    """The truncation tables with the columns ``sampler`` (the truncation grid keys by name, e.g. "top-p 0.8",
+    "+replay" added when the kept sets are replayed), ``sampler_base`` (without "+replay"), ``truncates`` and
+    ``replay``."""
+    keys = [k for k in KNOBS if k in t]
+    replay = t["mask_replay"].astype(bool) if "mask_replay" in t else pd.Series(False, index=t.index)
+    base = [", ".join(f"{KNOBS[k]} {'off' if _none(v) else agg.setting_key(v)}" for k, v in zip(keys, vals))
+            or "untruncated" for vals in zip(*(t[k] for k in keys))] if keys else ["untruncated"] * len(t)
+    vocab = {e: toy_envs.make(e).vocab_size for e in set(t["env"])} if "env" in t and len(t) else {}
+    cut = [truncation_active(*(_knob(row, k) for k in KNOBS), vocab.get(row.get("env")))
+           for row in t.to_dict("records")]
+    return t.assign(sampler=[f"{b} +replay" if r else b for b, r in zip(base, replay)], sampler_base=base,
+                    truncates=pd.Series(cut, index=t.index, dtype=bool), replay=replay.to_numpy())
+
+
+def _none(v) -> bool:
+    return v is None or (isinstance(v, float) and math.isnan(v)) or v is pd.NA
+
+
+def _knob(row: dict, k: str):
+    default = {"top_p": 1.0, "top_k": None, "min_p": 0.0}[k]
+    v = row.get(k, default)
+    return None if _none(v) else (int(v) if k == "top_k" else float(v))
+
+
+def truncation_order(runs: pd.DataFrame) -> list[str]:
+    """The truncation study's settings in display order: the untruncated sampler first, then by decreasing top-p
+    (top-k, min-p), each without replay before with it."""
+    def key(r):
+        p, k, m = (_knob(r, n) for n in KNOBS)
+        return (bool(r["truncates"]), -p, -(k if k is not None else math.inf), m, bool(r["replay"]))
+
+    return [r["sampler"] for r in sorted(runs.drop_duplicates("sampler").to_dict("records"), key=key)]
+
+
+def truncation_settings(steps: pd.DataFrame, runs: pd.DataFrame) -> dict:
+    """{setting: TruncationSetting fields} in display order, with the mean kept mass pi(S_t) over every update's
+    tokens where the sampler cuts anything (``lab.engine.training.truncation_metrics``)."""
+    mass = steps.groupby("sampler")["kept_mass"].mean() if "kept_mass" in steps else pd.Series(dtype=float)
+    info = runs.drop_duplicates("sampler").set_index("sampler")
+    out = {}
+    for x in truncation_order(runs):
+        r = info.loc[x]
+        m = mass.get(x)
+        out[x] = {"sampler": str(r["sampler_base"]), "replay": bool(r["replay"]), "truncates": bool(r["truncates"]),
+                  "kept_mass": None if m is None or not math.isfinite(m) or not r["truncates"] else float(m)}
+    return out
+
+
+def noop_identical(runs: pd.DataFrame) -> bool | None:
+    """Whether replay with a sampler that cuts nothing left every (estimator, seed)'s final score exactly unchanged
+    (None: no such pair ran)."""
+    ref = runs[~runs["truncates"]]
+    keys = [c for c in ("estimator", "sampler_base", "seed") if c in ref]
+    a, b = ref[~ref["replay"]].set_index(keys)[SCORE], ref[ref["replay"]].set_index(keys)[SCORE]
+    both = a.index.intersection(b.index)
+    return None if both.empty else bool((a.loc[both] == b.loc[both]).all())
+
+
 # ---- aggregation ----------------------------------------------------------------------------------------------------
 
-SETTINGS = {"sync": "minibatches", "async": "eta", "mismatch": "sampler"}
+SETTINGS = {"sync": "minibatches", "async": "eta", "mismatch": "sampler", "truncation": "sampler"}
 
 
 def summarise(sweeps: dict, baseline: str | None, n_boot: int) -> pd.DataFrame:
@@ -291,6 +426,11 @@ def summarise(sweeps: dict, baseline: str | None, n_boot: int) -> pd.DataFrame:
         t = agg.summarise(runs, SETTINGS[study], baseline if baseline in ests else None, n_boot, score=SCORE,
                          label=LABEL)
         t.insert(0, "study", study)
+        if study == "truncation":  # display order: the untruncated sampler first (rows only; the numbers as computed)
+            rank = {x: i for i, x in enumerate(truncation_order(runs))}
+            first = {e: i for i, e in enumerate(dict.fromkeys(t["estimator"]))}
+            t = t.assign(_e=t["estimator"].map(first), _x=[rank.get(x, len(rank)) for x in t["x"]])
+            t = t.sort_values(["_e", "_x"], kind="stable").drop(columns=["_e", "_x"])
         parts.append(t)
     table = pd.concat(parts, ignore_index=True)
     table["x"] = [None if isinstance(x, float) and math.isnan(x) else agg.setting_key(x) for x in table["x"]]
@@ -384,6 +524,11 @@ def build_summary(cfg: Config, table: pd.DataFrame, sweeps: dict) -> Summary:
                                  steps.groupby("sampler")["mismatch_abs_logprob"].mean().items()}
     if "sync" in sweeps:
         data["curves"] = agg.curves(sweeps["sync"][0], "minibatches")  # training accuracy J after each rollout
+    if "truncation" in sweeps:
+        steps, runs = sweeps["truncation"]
+        data["truncation"] = truncation_settings(steps, runs)
+        data["truncation_noop_identical"] = noop_identical(runs)
+        data["truncation_reference_shared"] = bool(runs["shared"].any())
     return build(Summary, data)
 
 

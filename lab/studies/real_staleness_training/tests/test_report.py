@@ -57,3 +57,73 @@ def test_headline_and_answer_say_what_the_orderings_say():
     s["orderings"] = []
     assert report.decide(s).orderings is None and report.headline("x", s).startswith("fewer than two")
     assert report.answer(s)
+
+
+def _truncation_summary(cells: dict, settings: dict) -> dict:
+    """A summary with only the truncation study: cells {(estimator, setting): (v, lo, hi)}, settings {key: (sampler,
+    replay, truncates)}."""
+    from dataclasses import asdict
+
+    s = _summary(fake_table({("reinforce", 4): (0.1, 0.0, 0.2)}))  # no pair of the paper's methods: no orderings
+    table: dict = {}
+    for (e, x), v in cells.items():
+        table.setdefault(e, {})[x] = {IQM: list(v), "collapse_rate": [0.0, 0.0, 0.5]}
+    s["table"] = {"truncation": table}
+    s["truncation"] = {x: asdict(study.TruncationSetting(sampler, replay, cut, 0.9 if cut else None))
+                       for x, (sampler, replay, cut) in settings.items()}
+    s["truncation_noop_identical"] = True
+    return s
+
+
+SETTINGS = {"top-p 1": ("top-p 1", False, False), "top-p 1 +replay": ("top-p 1", True, False),
+            "top-p 0.8": ("top-p 0.8", False, True), "top-p 0.8 +replay": ("top-p 0.8", True, True)}
+
+
+def test_truncation_decisions_by_hand():
+    ref = (0.5, 0.45, 0.55)
+    cells = {}
+    for e, plain, replayed in [("a", (0.3, 0.25, 0.35), (0.5, 0.46, 0.54)),  # loses; replay raises it back: recovered
+                               ("b", (0.3, 0.25, 0.35), (0.4, 0.37, 0.42)),  # loses; replay raises it, still below
+                               ("c", (0.3, 0.25, 0.35), (0.32, 0.27, 0.37)),  # loses; replay does not separate
+                               ("d", (0.5, 0.44, 0.56), (0.3, 0.25, 0.35))]:  # holds; replay lowers it
+        cells |= {(e, "top-p 1"): ref, (e, "top-p 1 +replay"): ref, (e, "top-p 0.8"): plain,
+                  (e, "top-p 0.8 +replay"): replayed}
+    s = _truncation_summary(cells, SETTINGS)
+    d = report.decide(s)
+    [t] = d.truncation
+    assert (t.sampler, t.reference, t.kept_mass) == ("top-p 0.8", "top-p 1", 0.9)
+    assert (t.lost, t.recovered, t.partly, t.not_recovered) == (["a", "b", "c"], ["a"], ["b"], ["c"])
+    assert (t.raised, t.lowered) == (["a", "b"], ["d"])
+    assert {r.estimator: r.replay for r in t.rows}["c"] == "not separated"
+    # the no-op setting (replay with nothing cut) is left out of the per-setting spreads and the table
+    assert [p.x for p in d.regimes["truncation"]] == ["top-p 1", "top-p 0.8", "top-p 0.8 +replay"]
+    assert list(report.truncation_table(s).columns) == ["estimator", "top-p 1", "top-p 0.8", "top-p 0.8 +replay"]
+    hl = report.headline("real_staleness_training", s)  # no sync study: the truncation finding is the headline
+    assert "top-p 0.8" in hl and "a, b, c" in hl
+    text = report.answer(s)
+    assert "0.30 [0.25, 0.35]" in text and "0.50 [0.46, 0.54]" in text and "90.0%" in text
+
+
+def test_truncation_without_the_untruncated_sampler_judges_replay_only():
+    cells = {("a", "top-p 0.8"): (0.3, 0.25, 0.35), ("a", "top-p 0.8 +replay"): (0.5, 0.46, 0.54)}
+    s = _truncation_summary(cells, {k: v for k, v in SETTINGS.items() if v[2]})
+    [t] = report.decide(s).truncation
+    assert t.reference is None and t.lost == [] and t.rows[0].loses is None and t.raised == ["a"]
+    assert report.answer(s) and report.headline("x", s).startswith("fewer than two")
+
+
+def test_truncation_labels_order_and_the_no_op_check():
+    runs = pd.DataFrame({"estimator": ["e"] * 6, "seed": [0] * 6, "env": ["chain3"] * 6,
+                         "top_p": [0.8, 1.0, 0.9, 0.8, 1.0, 0.9],
+                         "mask_replay": [True, True, False, False, False, True],
+                         study.SCORE: [0.1, 0.5, 0.2, 0.3, 0.5, 0.4]})
+    t = study._label_truncation(runs)
+    assert list(t["sampler"]) == ["top-p 0.8 +replay", "top-p 1 +replay", "top-p 0.9", "top-p 0.8", "top-p 1",
+                                  "top-p 0.9 +replay"]
+    assert list(t["truncates"]) == [True, False, True, True, False, True]
+    assert study.truncation_order(t) == ["top-p 1", "top-p 1 +replay", "top-p 0.9", "top-p 0.9 +replay", "top-p 0.8",
+                                         "top-p 0.8 +replay"]
+    assert study.noop_identical(t) is True
+    t.loc[t["sampler"] == "top-p 1 +replay", study.SCORE] = 0.49
+    assert study.noop_identical(t) is False
+    assert study.noop_identical(t[t["truncates"]]) is None
