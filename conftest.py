@@ -30,6 +30,17 @@ import toy_envs  # noqa: E402
 from lab.policies import init_params, make_policy  # noqa: E402
 
 
+# fixtures that build every report, train a model or run a sweep: a test using one is slow (``make test-fast`` leaves
+# it out), whatever its module marks
+SLOW_FIXTURES = {"gallery", "distill_cache"}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if SLOW_FIXTURES.intersection(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)
+
+
 @pytest.fixture
 def tiny():
     env = toy_envs.make("tiny_target")

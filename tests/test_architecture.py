@@ -207,6 +207,7 @@ NOTEBOOK = {"cells": [
     "nbformat": 4, "nbformat_minor": 5}
 
 
+@pytest.mark.slow
 def test_a_study_is_added_as_one_folder(tmp_path):
     folder = tmp_path / "studies" / "probe"
     (folder / "tests").mkdir(parents=True)

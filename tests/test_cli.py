@@ -22,6 +22,7 @@ def run(*args, cwd=None):
     return subprocess.run([*LAB, *args], capture_output=True, text=True, cwd=cwd or ROOT, env=env, timeout=600)
 
 
+@pytest.mark.slow
 def test_variance_writes_a_complete_run_folder(tmp_path):
     out = tmp_path / "run"
     p = run("variance", "--values", "0,4", "--replicates", "30", "--n-boot", "50", "--seed", "5", "--out", str(out))
@@ -37,6 +38,7 @@ def test_variance_writes_a_complete_run_folder(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["run"]  # no temporary folders left
 
 
+@pytest.mark.slow
 def test_default_variance_study_runs(tmp_path):
     p = run("variance", "--out", str(tmp_path / "d"))
     assert p.returncode == 0, p.stderr
@@ -70,12 +72,14 @@ def test_bad_input_is_one_clear_line_and_leaves_nothing(tmp_path, capsys, args, 
     assert not out.exists() and os.listdir(tmp_path) == []
 
 
+@pytest.mark.slow
 def test_bad_input_through_the_installed_command(tmp_path):
     p = run("variance", "--env", "nope", "--out", str(tmp_path / "run"))
     assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1
     assert os.listdir(tmp_path) == []
 
 
+@pytest.mark.slow
 def test_existing_foreign_output_is_refused(tmp_path):
     (tmp_path / "keep.txt").write_text("precious")
     p = run("variance", "--replicates", "5", "--out", str(tmp_path))
@@ -91,6 +95,7 @@ def test_nan_log_probs_are_rejected():
               torch.zeros(2, 4), 2)
 
 
+@pytest.mark.slow
 def test_listing_commands():
     envs = run("envs")
     assert envs.returncode == 0 and "tiny_target" in envs.stdout and "large_dense" in envs.stdout
@@ -101,6 +106,7 @@ def test_listing_commands():
     assert "clip_ratio_high=0.2" in ests.stdout
 
 
+@pytest.mark.slow
 def test_train_writes_a_run_folder_and_rejects_bad_input(tmp_path, capsys):
     out = tmp_path / "train"
     assert main(["train", "--steps", "3", "--minibatches", "2", "--estimator", "seq_is", "--out", str(out)]) == 0
@@ -116,6 +122,7 @@ def test_train_writes_a_run_folder_and_rejects_bad_input(tmp_path, capsys):
     assert not bad.exists()
 
 
+@pytest.mark.slow
 def test_sweep_command_runs_and_resumes(tmp_path, capsys):
     spec = tmp_path / "tiny.yaml"
     spec.write_text("name: tiny\nbase: {steps: 2, rollout_batch: 16, group_size: 4}\n"

@@ -60,6 +60,7 @@ def test_train_without_out_writes_under_runs_from_an_empty_folder(tmp_path, monk
     assert [p.name for p in (tmp_path / "runs" / "train").iterdir()] == [run.name]  # no staging folder left
 
 
+@pytest.mark.slow
 def test_a_sweep_whose_only_cell_fails_leaves_no_folder_and_says_so(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     Path("s.yaml").write_text("name: s\nbase: {env: tiny_target, steps: 2, regime: async, lag_dist: geometric, "

@@ -90,6 +90,7 @@ def test_write_errors_leave_nothing(tmp_path, capsys, monkeypatch, error):
     (lambda r: r["trainer_logprobs"].__setitem__(6, "1" * 400), "'trainer_logprobs' entry 6 is 1111"),
     (lambda r: r.__setitem__("extra", json.loads("[" * 40 + "]" * 40)), None),
 ], ids=["huge-step", "huge-logprob", "nested-ok"])
+@pytest.mark.slow
 def test_json_numbers_and_nesting_are_bounded(tmp_path, capsys, edit, message):
     rng = np.random.default_rng(0)
     rec = prime_record(rng, 1, 0, 0, 0, 0, 3, 8)

@@ -177,6 +177,7 @@ def test_outputs_under_missing_parents_and_notes(prime, tmp_path, capsys):
     assert not [p for p in tmp_path.rglob(".*") if p.name != ".lab"]  # no staging left; each output is marked
 
 
+@pytest.mark.slow
 def test_no_partial_output(prime, tmp_path, capsys, monkeypatch):
     """A failure at any point after the checks leaves neither output (nor its parents) and prints no verdict; a
     failed final rename puts back the folders it was replacing."""
@@ -236,6 +237,7 @@ MEASURE = textwrap.dedent("""
 
 
 @pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="peak RSS reset needs Linux /proc")
+@pytest.mark.slow
 def test_memory_does_not_grow_with_the_log(tmp_path):
     """Peak memory above the baseline for a log 4x longer stays about the same: it is set by the chunk and the
     row-group size, not by the number of tokens."""

@@ -45,6 +45,7 @@ def save_v2(folder, name, rid, train):
 
 
 @pytest.mark.parametrize("script,resume", [("train.py", None), ("train.py", 5), ("train_async.py", None)])
+@pytest.mark.slow
 def test_slime_staleness_follows_weight_pushes(tmp_path, script, resume):
     """One push before the loop, one after each rollout's training, counted from 0 in each process: a fresh
     train.py run is on-policy (lag 0), so is one resumed at rollout 5; train_async.py generates rollout k + 1 while

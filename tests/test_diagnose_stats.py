@@ -44,6 +44,7 @@ def random_small(tmp_path_factory):
                       row_group_rows=5000)
 
 
+@pytest.mark.slow
 def test_streaming_equals_whole_table_pandas(random_small):
     ref = reference(random_small)
     d = diagnose(random_small, chunk_rows=4099, progress=False)  # sequences straddle chunk boundaries
@@ -150,6 +151,7 @@ def test_ols_interval_covers_the_slope_at_its_level():
     assert 0.92 <= hits / 400 <= 0.98  # binomial sd at 0.95 and n = 400: 0.011
 
 
+@pytest.mark.slow
 def test_ratio_interval_covers_at_its_level():
     """Poisson bootstrap over sequences for a ratio of sums with within-sequence correlation."""
     rng = np.random.default_rng(3)
@@ -273,6 +275,7 @@ def _assert_close(got, want, where: str) -> None:
         assert got == want, where
 
 
+@pytest.mark.slow
 def test_chunk_and_row_group_sizes_change_no_output(tmp_path):
     """Every table and the summary are the same (to rounding) whatever the reader's chunk size and the writer's
     row-group size: sequences and steps straddle chunks and row groups, and the pass sums them piece by piece."""

@@ -51,6 +51,7 @@ def test_kept_mask_is_vllm_top_k_then_top_p():
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.slow
 def test_detection_fires_on_every_truncating_sampler_and_tracks_the_kept_mass(tmp_path, seed):
     ratios = {}
     for name, kw in TRUNCATED.items():

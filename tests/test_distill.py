@@ -84,6 +84,7 @@ def test_same_seed_same_table_and_what_a_row_holds(distill_cache):
 
 
 @pytest.mark.parametrize("difficulty, distractors", [(3, 0), (2, 3)])
+@pytest.mark.slow
 def test_sequence_kl_by_prefixes_is_the_kl_of_every_response(difficulty, distractors):
     cfg = DistillConfig(**{**TINY, "difficulty": difficulty, "distractors": distractors, "eval_samples": 400})
     setup = random_setup(cfg)  # no warm start needed: any two networks

@@ -121,6 +121,7 @@ def test_uncorrected_reinforce_on_mu_samples_equals_enumeration(reward, eos):
     assert torch.allclose(by_dp, by_enum, atol=1e-12, rtol=0) and by_enum.norm() > 1e-4
 
 
+@pytest.mark.slow
 def test_a_leave_one_out_baseline_moves_reinforce_off_policy_and_not_token_is():
     """Sampled means with rloo advantages (groups of 4, 20000 groups) against the DP's expectations with the
     per-prompt baseline E_mu[R | x]: z-tests along the exact vectors."""

@@ -70,6 +70,7 @@ def with_junk(x, pad, value):
 @settings(max_examples=4, **SETTINGS)
 @given(seed=st.integers(0, 10**6), junk=st.sampled_from(JUNK), mode=st.sampled_from(AGG_MODES),
        lengths=st.lists(st.integers(0, 3), min_size=4, max_size=4))
+@pytest.mark.slow
 def test_junk_on_padding_changes_neither_loss_nor_gradient(name, seed, junk, mode, lengths):
     lp, old, adv, mask, named, logit_leaf = batch(name, seed=seed, lengths=lengths)
     base = loss_and_grads(name, lp, old, adv, mask, named, logit_leaf, mode)

@@ -106,6 +106,7 @@ def run(name, p):
 @pytest.mark.parametrize("name", NAMES)
 @settings(max_examples=25, **SETTINGS)
 @given(p=batches())
+@pytest.mark.slow
 def test_finite_loss_gradient_and_metrics_or_a_clear_error(name, p):
     out = run(name, p)
     if out is None:
@@ -127,6 +128,7 @@ def test_finite_loss_gradient_and_metrics_or_a_clear_error(name, p):
 @pytest.mark.parametrize("name", NAMES)
 @settings(max_examples=10, **SETTINGS)
 @given(p=batches(), shift=st.floats(-30.0, -0.1))
+@pytest.mark.slow
 def test_padding_positions_do_not_matter(name, p, shift):
     """Moving every tensor's values on padding positions (log-probs stay <= 0) changes neither the loss nor the
     gradient on real tokens."""

@@ -49,6 +49,7 @@ def test_bad_names_and_values_are_one_clear_line(tmp_path, capsys, args, needle)
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.slow
 def test_variance_runs_new_estimators_and_presets_by_name(tmp_path, capsys):
     names = "dppo_tv,m2po,clip_cov,vcpo,verl:decoupled_geo_rs_token_tis,verl:bypass_pg_is"
     assert main(["variance", "--estimators", names, "--values", "0,4", "--replicates", "20", "--n-boot", "20",
@@ -61,6 +62,7 @@ def test_variance_runs_new_estimators_and_presets_by_name(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("regime", ["sync", "async", "mismatch"])
+@pytest.mark.slow
 def test_train_runs_presets_and_three_policy_estimators(tmp_path, capsys, regime):
     for name in ("verl:decoupled_k3_rs_seq_tis", "m2po"):
         extra = ["--logprob-noise", "0.3"] if regime == "mismatch" else []
@@ -71,6 +73,7 @@ def test_train_runs_presets_and_three_policy_estimators(tmp_path, capsys, regime
         assert len(table) == 8 and table["finite"].all()
 
 
+@pytest.mark.slow
 def test_a3po_needs_a_version_lag_which_only_the_lag_knob_defines(tmp_path, capsys):
     args = ["variance", "--estimators", "decoupled_ppo", "--hyper", "decoupled_ppo.proximal=loglinear",
             "--replicates", "4", "--n-boot", "10", "--trajectory-steps", "2"]

@@ -1,3 +1,4 @@
+import pytest
 import torch
 
 import toy_envs
@@ -24,6 +25,7 @@ def test_exact_gradient_matches_finite_differences():
         assert abs(fd - float(g.reshape(-1)[idx])) < 1e-8
 
 
+@pytest.mark.slow
 def test_monte_carlo_reference_agrees_with_enumeration():
     env = toy_envs.make("tiny_parity")
     policy = make_policy("prefix", env)

@@ -273,6 +273,7 @@ def test_bad_input_is_one_line_lab_error(llama, tmp_path, monkeypatch):
         assert issubclass(e, ValueError)
 
 
+@pytest.mark.slow
 def test_lab_variance_runs_a_local_model(llama, tmp_path, capsys):
     """`lab variance --policy hf --model PATH --params SUBSET`: the adapter through the same study, exact reference and
     run folder as the lab's own policies; sequence IS is exactly unbiased on it too; bad input is one line, exit 2."""
@@ -307,6 +308,7 @@ def test_lab_variance_runs_a_local_model(llama, tmp_path, capsys):
     assert not (tmp_path / "bad").exists()
 
 
+@pytest.mark.slow
 def test_lab_train_trains_a_local_model_like_the_transformer(llama, tmp_path):
     """`lab train --policy hf --model PATH`: the same simulator as the lab's transformer (a real sampler, exact task
     metrics); with one mini-batch, one epoch and no mismatch every ratio estimator's update equals REINFORCE's
@@ -333,6 +335,7 @@ def test_lab_train_trains_a_local_model_like_the_transformer(llama, tmp_path):
     assert main([*base[:3], "--params", "last:1", "--env", "chain3", "--out", str(tmp_path / "bad")]) == 2  # no model
 
 
+@pytest.mark.slow
 def test_smollm2_loads_offline_and_shows_a_bf16_mismatch():
     """SmolLM2-135M-Instruct from the wheel: real prompts, a bf16 sampler against the fp32 trainer."""
     try:
@@ -353,6 +356,7 @@ def test_smollm2_loads_offline_and_shows_a_bf16_mismatch():
     assert len(policy.decode(tokens)) == 2
 
 
+@pytest.mark.slow
 def test_smollm2_top_p_sampler_ratio_is_its_kept_mass_and_renormalising_removes_it():
     """SmolLM2-135M-Instruct with a bf16 top_p = 0.8 sampler against the fp32 trainer (the mismatch study's
     truncation measurement): the mean ratio is the mean kept mass, below 1; renormalising brings it back to 1."""

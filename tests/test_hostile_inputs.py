@@ -68,6 +68,7 @@ def test_report_parameter_files_with_tags_are_one_line_before_any_kernel(text, t
     assert sorted(os.listdir(tmp_path)) == ["p.yaml"]
 
 
+@pytest.mark.slow
 def test_a_crafted_string_parameter_reaches_the_notebook_as_that_string(tmp_path, monkeypatch):
     """A real kernel: the payload is a string the study keeps (an hf policy's trainable subset, unused by a prefix
     policy), never code that runs."""
@@ -194,6 +195,7 @@ def test_a_model_folder_holding_config_json_is_never_replaced(command, tmp_path,
     assert {p.name: p.read_text() for p in (tmp_path / "model").iterdir()} == files
 
 
+@pytest.mark.slow
 def test_a_lab_run_folder_is_replaced_and_a_dangling_link_is_refused(tmp_path, capsys):
     out = tmp_path / "run"
     argv = ["variance", "--replicates", "4", "--values", "0", "--n-boot", "10", "--out", str(out)]
@@ -276,6 +278,7 @@ def test_failed_reports_folder_that_is_a_file_is_one_clear_line(tmp_path, monkey
     one_line(capsys, "LAB_FAILED_REPORTS")
 
 
+@pytest.mark.slow
 def test_a_full_disk_is_one_line_and_keeps_the_previous_run(tmp_path):
     """A real write failure (the file size limit, EFBIG) while the run folder is written."""
     out = tmp_path / "run"
@@ -307,6 +310,7 @@ def _start_train(out: Path) -> subprocess.Popen:
 
 
 @pytest.mark.parametrize("signum", ["SIGTERM", "SIGINT"])
+@pytest.mark.slow
 def test_sigterm_stops_a_run_like_ctrl_c_and_leaves_nothing(signum, tmp_path):
     import signal
 
@@ -318,6 +322,7 @@ def test_sigterm_stops_a_run_like_ctrl_c_and_leaves_nothing(signum, tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.slow
 def test_a_kill_9_leaves_only_a_hidden_marked_folder_that_the_next_run_removes(tmp_path):
     proc = _start_train(tmp_path / "run")
     proc.kill()
@@ -328,6 +333,7 @@ def test_a_kill_9_leaves_only_a_hidden_marked_folder_that_the_next_run_removes(t
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
 
 
+@pytest.mark.slow
 def test_a_killed_gallery_build_leaves_no_build_running(tmp_path):
     import signal
     import uuid
@@ -434,6 +440,7 @@ def test_the_gallery_reads_only_report_folders_the_lab_wrote_and_survives_broken
     assert "no headline" in page
 
 
+@pytest.mark.slow
 def test_a_sweep_cell_summary_edited_to_explode_is_one_line(tmp_path):
     from lab.engine.sweep import load_results, load_spec, run_sweep
 
@@ -446,6 +453,7 @@ def test_a_sweep_cell_summary_edited_to_explode_is_one_line(tmp_path):
         load_results(tmp_path / "out")
 
 
+@pytest.mark.slow
 def test_a_broken_study_folder_of_ones_own_is_one_line(tmp_path):
     bad = tmp_path / "studies" / "mine"
     bad.mkdir(parents=True)

@@ -52,6 +52,7 @@ def test_listing_commands_load_neither_torch_nor_scipy(tmp_path, args):
     assert loaded(proc) == set(), proc.stderr
 
 
+@pytest.mark.slow
 def test_the_core_runs_without_the_extras(tmp_path):
     ran = lab(tmp_path, "variance", "--replicates", "8", "--values", "0,2", "--n-boot", "20", "--out", "v")
     assert ran.returncode == 0, ran.stderr
@@ -67,6 +68,7 @@ def test_the_core_runs_without_the_extras(tmp_path):
 
 @pytest.mark.parametrize("args, extra", [(["report", "variance"], "reports"),
                                          (["variance", "--policy", "hf", "--model", "model"], "hf")])
+@pytest.mark.slow
 def test_a_command_that_needs_an_extra_says_what_to_install(tmp_path, args, extra):
     (tmp_path / "model").mkdir()
     (tmp_path / "model" / "config.json").write_text('{"model_type": "llama"}')

@@ -38,6 +38,7 @@ def test_an_exact_reference_has_no_error(world):
     assert divergence_intervals((policy, pi), mu, s_mu) == {k: (v, v, v) for k, v in div.items()}
 
 
+@pytest.mark.slow
 def test_mc_standard_error_matches_the_spread_of_the_reference(world):
     """Over 60 independent reference samples of 1024: the mean stated tr Cov equals the mean squared error against
     the exact gradient (within 20 %), and the grouped sum is the one-pass estimate."""
@@ -58,6 +59,7 @@ def test_mc_standard_error_matches_the_spread_of_the_reference(world):
     assert np.isnan(var)  # one sample has no spread
 
 
+@pytest.mark.slow
 def test_mc_divergence_intervals_cover_the_exact_divergence(world):
     problem, traj = world
     pi = (problem.policy, traj.current)
@@ -76,6 +78,7 @@ def test_mc_divergence_intervals_cover_the_exact_divergence(world):
     assert min(covered.values()) >= 32, covered  # nominal 95 % of 40 = 38
 
 
+@pytest.mark.slow
 def test_a_sampled_target_is_not_counted_as_bias():
     """Estimates with bias b against a true target t, compared with t + e (tr Cov e = s2): bias2 given s2 is unbiased
     for ||b||^2 and its interval covers it; ignoring s2 inflates it by s2."""
@@ -100,6 +103,7 @@ def test_a_sampled_target_is_not_counted_as_bias():
     assert gram_metrics(g, t, counts, 0.95, target_var=0.0) == gram_metrics(g, t, counts, 0.95)
 
 
+@pytest.mark.slow
 def test_a_study_states_its_reference():
     common = dict(policy="markov", values=[0, 2], replicates=20, n_boot=50, trajectory_steps=4,
                   estimators=["seq_is", "ppo_clip"])

@@ -53,6 +53,7 @@ def test_budget_chunk_is_the_budget_over_a_float64_row():
     assert budget_chunk(10**9, 1) == 1  # a row over the budget: one replicate at a time
 
 
+@pytest.mark.slow
 def test_largest_block_stays_within_the_budget_whatever_m(blocks):
     D, M = _dims(), 16 * ROWS
     cfg = _config(replicates=M, memory_budget=_budget(), values=[0], estimators=["seq_is"])
@@ -79,6 +80,7 @@ def _agree(results: dict, rtol: float) -> None:
             assert np.allclose(res[col][cos], ref[col][cos], rtol=0, atol=100 * rtol, equal_nan=True), (name, col)
 
 
+@pytest.mark.slow
 def test_numbers_do_not_depend_on_the_chunk_size(blocks):
     """Within the budget (every estimate kept): one vmap call, chunks of 1 and of 5. Beyond it (a budget of 4
     replicates: the Gram built block by block): chunks from the budget, of 1 and of 3. Every run agrees to 1e-4 of

@@ -341,6 +341,7 @@ def world():
     return expected, g_star
 
 
+@pytest.mark.slow
 def test_peers_are_exact_at_zero_staleness_and_biased_when_stale(world):
     expected, g_star = world
     for name in PEERS:

@@ -38,6 +38,7 @@ def test_prefix_tree_represents_any_sequence_distribution():
 
 
 @pytest.mark.parametrize("kind", ["prefix", "markov"])
+@pytest.mark.slow
 def test_sampling_matches_probabilities_and_records_log_probs(kind):
     env = toy_envs.make("tiny_target", n_prompts=1, vocab_size=3, length=3, eos=True)
     policy = make_policy(kind, env)

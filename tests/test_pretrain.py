@@ -44,6 +44,7 @@ def test_cache_folder_follows_the_environment(monkeypatch, tmp_path):
     assert pt.cache_dir() == tmp_path / "mine"
 
 
+@pytest.mark.slow
 def test_warm_start_reaches_its_target_and_is_reused(cache, env, monkeypatch):
     ck = pt.pretrain(env, "test", TARGET, max_steps=2000, seed=0)
     assert ck.trained and ck.steps > 0 and ck.path.parent == cache / "pretrain" and ck.path.exists()
@@ -112,6 +113,7 @@ def test_bad_input_is_one_clear_error_and_writes_nothing(cache, env):
     assert _files(cache) == []
 
 
+@pytest.mark.slow
 def test_command_line(cache, capsys):
     parser = argparse.ArgumentParser()
     pt.add_parser(parser.add_subparsers(dest="command"))

@@ -26,6 +26,7 @@ RATIO_BASED = ["seq_is", "token_is", "ppo_clip", "tis_token", "tis_seq", "mis_to
                "gspo", "gmpo", "sapo"]
 
 
+@pytest.mark.slow
 def test_n1_every_ratio_estimator_follows_reinforce_on_the_transformer():
     # sync, N = 1: the trainer's pi_old and pi are the same full-sequence pass on the same parameters, so every ratio
     # is exactly 1 and each estimator's gradient is REINFORCE's (SAPO's gate at ratio 1 included). In float64: Adam
@@ -45,6 +46,7 @@ def test_n1_every_ratio_estimator_follows_reinforce_on_the_transformer():
     assert float((a.params - b.params).abs().max()) > 1e-4
 
 
+@pytest.mark.slow
 def test_same_seed_reproduces_a_run_exactly_and_another_seed_differs():
     cfg = dict(TINY, estimator="vespo", regime="async", minibatches=2, lag_max=2, eta=1, over_stale="requeue")
     a, b = train(TrainConfig(**cfg), progress=False), train(TrainConfig(**cfg), progress=False)
@@ -53,6 +55,7 @@ def test_same_seed_reproduces_a_run_exactly_and_another_seed_differs():
     assert not np.allclose(a.table["loss"], c.table["loss"])
 
 
+@pytest.mark.slow
 def test_task_metrics_are_exact_accuracies():
     run = train(TrainConfig(**TINY), progress=False)
     t = run.table
@@ -67,6 +70,7 @@ def test_task_metrics_are_exact_accuracies():
     assert (t["kl_to_init_answers"] > 0).all() and (t["entropy_answers"] > 0).all()
 
 
+@pytest.mark.slow
 def test_a_bf16_sampler_is_a_real_mismatch_and_replay_runs():
     base = dict(TINY, size="test_moe", regime="mismatch", estimator="tis_seq")
     fp32 = train(TrainConfig(**base), progress=False).table["mismatch_abs_logprob"]
@@ -86,6 +90,7 @@ def test_a_bf16_sampler_is_a_real_mismatch_and_replay_runs():
     (["--warm-start", "1.5"], "warm_start"),
     (["--device", "tpu"], "device"),
 ])
+@pytest.mark.slow
 def test_bad_transformer_settings_are_one_line_and_exit_2(tmp_path, flags, words):
     args = ["train", "--policy", "transformer", "--env", "chain3", "--size", "test", *flags, "--out",
             str(tmp_path / "run")]
@@ -110,6 +115,7 @@ grid:
 """
 
 
+@pytest.mark.slow
 def test_a_killed_transformer_sweep_resumes_to_the_uninterrupted_result(tmp_path):
     spec = tmp_path / "real.yaml"
     spec.write_text(SPEC)
@@ -137,6 +143,7 @@ def test_a_killed_transformer_sweep_resumes_to_the_uninterrupted_result(tmp_path
                                   rb.drop(columns=["rollouts"], errors="ignore"))
 
 
+@pytest.mark.slow
 def test_a_transformer_sweep_on_ray_equals_the_local_pool(tmp_path):
     spec = tmp_path / "real.yaml"
     spec.write_text(SPEC.replace("seed: [0, 1, 2]", "seed: [0]"))
@@ -155,6 +162,7 @@ def test_a_transformer_sweep_on_ray_equals_the_local_pool(tmp_path):
      "use regime 'mismatch'"),
     ("name: x\nbase: {policy: transformer, env: chain3, size: test}\ngrid: {teacher: [a]}\n", "not TrainConfig fields"),
 ])
+@pytest.mark.slow
 def test_bad_transformer_sweep_specs_are_one_line_and_exit_2(tmp_path, text, words):
     spec = tmp_path / "bad.yaml"
     spec.write_text(text)
@@ -164,6 +172,7 @@ def test_bad_transformer_sweep_specs_are_one_line_and_exit_2(tmp_path, text, wor
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.slow
 def test_sweep_device_flag_overrides_the_base_and_is_refused_where_it_cannot_apply(tmp_path):
     spec = tmp_path / "s.yaml"
     spec.write_text("name: s\nbase: {policy: transformer, env: chain3, size: test}\ngrid: {device: [cpu]}\n")

@@ -66,6 +66,7 @@ def test_every_parameter_is_a_typed_documented_config_field(name):
 
 
 @pytest.mark.parametrize("name", reports.names())
+@pytest.mark.slow
 def test_defaults_and_smoke_values_pass_the_configs_checks(name, no_kernel):
     report = reports.get(name)
     params.resolve(report, {}, smoke=True)
@@ -114,6 +115,7 @@ def test_ranges_are_checked_before_anything_runs():
         resolve("teach_vespo_kernel", lengths="1,100")
 
 
+@pytest.mark.slow
 def test_cli_wrong_type_and_list_syntax_are_one_line(tmp_path):
     for name, arg, message in [("variance", "replicates=many", "parameter replicates must be a whole number"),
                                ("teach_vespo_kernel", "lengths=1.5,2", "parameter lengths[0] must be a whole number"),
@@ -149,6 +151,7 @@ def test_parameter_files(tmp_path):
     ("replicates: 40\nvalues: [0, 4\n", "is not valid YAML at line 3"),
     ("- replicates: 40\n", "must be a mapping of parameter names to values, got a list"),
     ("replicats: 40\n", r"unknown parameter(s) replicats for report 'variance'; valid parameters: env,")])
+@pytest.mark.slow
 def test_cli_parameter_file_errors_are_one_line(tmp_path, content, message):
     spec = tmp_path / "params.yaml"
     spec.write_text(content)
@@ -165,6 +168,7 @@ def test_command_line_values_override_the_files(tmp_path, no_kernel):
     assert (cfg.replicates, cfg.values) == (50, [0.0, 4.0])
 
 
+@pytest.mark.slow
 def test_cli_lists_parameters_with_types_defaults_and_help():
     proc = lab("report", "teach_vespo_kernel", "--params")
     assert proc.returncode == 0, proc.stderr
@@ -192,11 +196,13 @@ def test_bad_study_input_is_refused_before_papermill(tmp_path, failed_reports, n
     assert not (tmp_path / "out").exists() and not any(failed_reports.iterdir())
 
 
+@pytest.mark.slow
 def test_renamed_reports_say_their_new_name(tmp_path):
     proc = lab("report", "estimator_variance", "--out", str(tmp_path))
     assert proc.returncode == 2 and "now called 'variance'" in proc.stderr
 
 
+@pytest.mark.slow
 def test_cli_bad_estimator_is_one_line_before_any_kernel(tmp_path):
     proc = lab("report", "variance", "-p", "estimators=reinforce,nope", "--out", str(tmp_path))
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
@@ -206,6 +212,7 @@ def test_cli_bad_estimator_is_one_line_before_any_kernel(tmp_path):
 
 # ---- outcomes ----------------------------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_python_api_returns_the_summary(tmp_path):
     smoke = reports.get(LESSON).smoke
     summary = reports.run(LESSON, out_root=tmp_path, **smoke)
@@ -221,6 +228,7 @@ def test_python_api_returns_the_summary(tmp_path):
     assert f"kls = {smoke['kls']!r}" in injected and "# a list of numbers: per-token KL" in injected
 
 
+@pytest.mark.slow
 def test_failing_cell_keeps_the_partial_notebook(tmp_path, failed_reports):
     name, given = FAILING
     with pytest.raises(LabError) as err:
@@ -244,6 +252,7 @@ def test_failed_reports_folder_is_apart_from_the_model_cache(failed_reports, mon
     assert reports.failed_reports_dir() == tmp_path / "failed-reports"
 
 
+@pytest.mark.slow
 def test_run_all_goes_on_after_a_failure_and_writes_the_gallery(tmp_path):
     good, (bad, given) = LESSON, FAILING
     events = []

@@ -96,6 +96,7 @@ def test_bad_input_is_refused_before_papermill(tmp_path):
 FAILING = {"reference": "mc", "mc_samples": 2, "replicates": 4, "values": [0]}  # fails in the study, not before
 
 
+@pytest.mark.slow
 def test_failed_execution_leaves_nothing(tmp_path):
     out = tmp_path / "new" / "reports"
     with pytest.raises(LabError, match=r"failed in cell \d+: LabError: .*raise --mc-samples") as err:
@@ -121,6 +122,7 @@ def test_refuses_to_replace_a_folder_that_is_not_a_report(tmp_path):
     assert (tmp_path / NAME / "notes.txt").read_text() == "mine"
 
 
+@pytest.mark.slow
 def test_cli_report(tmp_path):
     proc = subprocess.run([str(LAB), "report", NAME, "-p", "replicates=40", "-p", "values=[0,2]", "--out",
                            str(tmp_path)], capture_output=True, text=True, timeout=300)
@@ -131,6 +133,7 @@ def test_cli_report(tmp_path):
     assert (tmp_path / NAME / f"{NAME}.html").stat().st_size > 10_000
 
 
+@pytest.mark.slow
 def test_cli_bad_parameter_is_one_line(tmp_path):
     proc = subprocess.run([str(LAB), "report", NAME, "-p", "replicats=40", "--out", str(tmp_path)],
                           capture_output=True, text=True, timeout=120)

@@ -30,6 +30,7 @@ def _divergences(env, policy, traj, kind, values):
 
 @pytest.mark.parametrize("name,policy_kind", [("tiny_target", "prefix"), ("small_dense", "markov"),
                                               ("small_eos", "markov")])
+@pytest.mark.slow
 def test_divergence_is_monotone_in_every_knob(name, policy_kind):
     env, policy, traj = _setting(name, policy_kind)
     for kind, values in [("lag", [0, 1, 2, 4, 8, 16, 32]), ("kl", [0.0, 0.005, 0.02, 0.05, 0.1]),
@@ -47,6 +48,7 @@ def test_kl_target_is_hit():
         assert d["kl_token"] == pytest.approx(target, rel=1e-3)
 
 
+@pytest.mark.slow
 def test_log_weight_variance_grows_with_length():
     variances = []
     for T in [2, 3, 4, 5, 6]:

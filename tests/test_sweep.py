@@ -76,6 +76,7 @@ def test_load_spec_reads_yaml_and_the_example_spec_is_valid(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------ resume
+@pytest.mark.slow
 def test_sweep_killed_at_a_random_point_resumes_without_losing_or_duplicating_cells(tmp_path, reference):
     out = tmp_path / "sweep"
     code = (f"from lab.engine.sweep import SweepSpec, run_sweep; "
@@ -114,6 +115,7 @@ def _dead_pid() -> int:
     return proc.pid
 
 
+@pytest.mark.slow
 def test_leftovers_of_a_killed_write_are_removed_and_a_failed_write_leaves_nothing(tmp_path, reference):
     out = tmp_path / "sweep"
     left = out / "cells" / ".0123456789abcdef.lab-x1y2z3"  # what a kill -9 mid-write leaves: a marked staging folder
@@ -136,6 +138,7 @@ def test_leftovers_of_a_killed_write_are_removed_and_a_failed_write_leaves_nothi
     assert cell_dirs(out) == sorted([".git", cell_id(expand(spec)[0])])
 
 
+@pytest.mark.slow
 def test_growing_a_spec_runs_only_the_new_cells(tmp_path):
     out = tmp_path / "sweep"
     small = SweepSpec("g", TINY, {"seed": [0]})
@@ -146,6 +149,7 @@ def test_growing_a_spec_runs_only_the_new_cells(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------ executors
+@pytest.mark.slow
 def test_ray_and_local_executors_give_identical_results(tmp_path, reference):
     out = tmp_path / "ray"
     assert run_sweep(SPEC, out, "ray", workers=2) == {"done": 8, "skipped": 0, "total": 8}  # local Ray, num_cpus=2
@@ -176,6 +180,7 @@ def test_load_results_shapes(reference):
     assert (runs.set_index("cell_id")["final_reward"] == last.reindex(runs["cell_id"]).values).all()
 
 
+@pytest.mark.slow
 def test_load_results_of_a_sweep_with_no_finished_cells_and_of_a_dict_grid(tmp_path):
     out = tmp_path / "sweep"
     out.mkdir()
@@ -268,6 +273,7 @@ def test_out_dir_that_is_not_a_sweep_or_is_locked_is_refused(tmp_path):
             run_sweep(SweepSpec("one", TINY, {"seed": [0]}), out)
 
 
+@pytest.mark.slow
 def test_a_cell_that_fails_at_run_time_does_not_stop_the_others(tmp_path):
     # async + drop with lags that almost never fall within eta passes validation but cannot fill a rollout
     base = dict(TINY, regime="async", lag_dist="geometric", lag_p=1e-6, lag_max=10_000, over_stale="drop", steps=8)

@@ -35,6 +35,7 @@ def _marked(marker: str) -> list[int]:
 
 @pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="needs Linux /proc to find the processes")
 @pytest.mark.parametrize("how", ["kill", "kill, never reaped", "term, never reaped"])
+@pytest.mark.slow
 def test_a_killed_sweep_leaves_no_process_and_resumes(tmp_path, how):
     """SIGKILL or SIGTERM of the driver: its fork server and workers exit within seconds, also while the driver stays
     a zombie because its parent still holds its output pipe (a pid probe takes a zombie for alive)."""
