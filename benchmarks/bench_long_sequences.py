@@ -4,6 +4,7 @@
     .venv/bin/python benchmarks/bench_long_sequences.py                 # T = 64, 128, 256, 512, 1024
     .venv/bin/python benchmarks/bench_long_sequences.py --quick         # T = 16, 64; exits 1 on disagreement
     .venv/bin/python benchmarks/bench_long_sequences.py --json out.json --cap 300 --bound 60
+    .venv/bin/python benchmarks/bench_long_sequences.py --sections sampling --paths kv_cache --lengths 1024
 
 1. Sampling: ``TransformerPolicy.generate`` with the KV cache against the same sampler recomputing the whole
    sequence at every token (``kv_cache=False``), the "small" transformer (block size T + 1) on ``long_dense``.
@@ -15,18 +16,20 @@
    4,096 samples (``mc_support`` + ``reference_gradient``, whose stated standard error gives the samples needed).
 
 Every timing runs in a fresh process, which also reports its peak memory: the growth of its peak resident set
-after the set-up (Linux: the peak is reset through /proc/self/clear_refs; elsewhere the whole process's maximum
-resident set). Times are per 1,000 sequences (sections 1 and 2) or per reference (3). A path whose time at the next
-length, projected from the last two measured (a power law in T), exceeds ``--cap`` seconds is not run there and is
-shown projected (marked *). The "practical up to" line gives the longest T at which each path stays within
-``--bound`` seconds per 1,000 sequences (per reference in section 3), measured, or projected beyond the lengths
-run. Checks (exit 1 on failure): the engine equals the loop to 1e-6 of the largest entry; the KV-cache sampler
-draws the same tokens as the recomputing one from the same uniforms (float32: at least 90 % of the sequences
-identical); the Monte Carlo pilot agrees with the DP within 4 stated standard errors along grad J.
+after the set-up (Linux: freed heap returned with glibc's malloc_trim, then the peak reset through
+/proc/self/clear_refs; elsewhere the whole process's maximum resident set). Times are per 1,000 sequences
+(sections 1 and 2) or per reference (3). A path whose time at the next length, projected from the last two measured
+(a power law in T, at least linear), exceeds ``--cap`` seconds is not run there and is shown projected (marked *).
+The "practical" line gives the longest T at which each path stays within ``--bound`` seconds per 1,000
+sequences (per reference in section 3), measured, or projected beyond the lengths run. Checks (exit 1 on failure):
+the engine equals the loop to 1e-6 of the largest entry; the KV-cache sampler draws the same tokens as the
+recomputing one from the same uniforms (float32: at least 90 % of the sequences identical); the Monte Carlo pilot
+agrees with the DP within 4 stated standard errors along grad J.
 """
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import math
 import os
@@ -68,7 +71,12 @@ def _status(key: str) -> int:
 
 
 def _reset_peak() -> int:
-    """Reset the peak resident set to the current one; returns the current resident bytes (0 where unsupported)."""
+    """Return freed heap to the system (glibc's malloc_trim, so that the set-up's freed temporaries are not reused
+    unseen), reset the peak resident set to the current one, and return that (0 where unsupported)."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
     try:
         Path("/proc/self/clear_refs").write_text("5")
         return _status("VmRSS:")
@@ -167,13 +175,17 @@ def spawn(args, section: str, path: str, T: int) -> dict:
 
 
 def project(points: list[tuple[int, float]], T: int) -> float:
-    """A power law in T through the last two measured (T, value) points, evaluated at T."""
+    """A power law in T through the last two measured (T, value) points, evaluated at T; never slower than linear
+    (every path here touches each position at least once, so the short lengths' fixed costs do not extrapolate)."""
+    return points[-1][1] * (T / points[-1][0]) ** _exponent(points)
+
+
+def _exponent(points: list[tuple[int, float]]) -> float:
     (t0, v0), (t1, v1) = points[-2], points[-1]
-    k = math.log(v1 / v0) / math.log(t1 / t0) if v0 > 0 and v1 > 0 and t1 != t0 else 1.0
-    return v1 * (T / t1) ** k
+    return max(1.0, math.log(v1 / v0) / math.log(t1 / t0)) if v0 > 0 and v1 > 0 and t1 != t0 else 1.0
 
 
-def practical(points: list[tuple[int, float]], bound: float, beyond: int) -> str:
+def practical(points: list[tuple[int, float]], bound: float) -> str:
     """The longest T within ``bound``: the last measured length before the first that exceeds it, or projected."""
     if points[0][1] > bound:
         return f"none of these lengths (exceeds at T = {points[0][0]}, the shortest)"
@@ -182,10 +194,8 @@ def practical(points: list[tuple[int, float]], bound: float, beyond: int) -> str
             return f"up to T = {t0} (exceeds at T = {t1})"
     if len(points) < 2:
         return f"beyond T = {points[-1][0]}"
-    (t0, v0), (t1, v1) = points[-2], points[-1]
-    k = math.log(v1 / v0) / math.log(t1 / t0) if v0 > 0 and v1 > 0 else 1.0
-    T = t1 * (bound / v1) ** (1 / k) if k > 0 else math.inf
-    return f"up to ~T = {T:,.0f} (projected, T^{k:.2f})" if math.isfinite(T) else f"beyond T = {beyond}"
+    k, (t1, v1) = _exponent(points), points[-1]
+    return f"up to ~T = {t1 * (bound / v1) ** (1 / k):,.0f} (projected as T^{k:.2f})"
 
 
 def section_run(args, section: str, rows: list) -> dict:
@@ -197,6 +207,9 @@ def section_run(args, section: str, rows: list) -> dict:
         res = {}
         for path in (main_path, alt):
             pts = measured[path]
+            if path not in args.paths:
+                res[path] = {"seconds": math.nan, "per": math.nan, "peak_bytes": math.nan, "skipped": True}
+                continue
             guess = project([(t, r["seconds"]) for t, r in pts], T) if len(pts) >= 2 else 0.0
             if guess > args.cap:
                 per = project([(t, r["per"]) for t, r in pts], T)
@@ -209,13 +222,13 @@ def section_run(args, section: str, rows: list) -> dict:
         rows.append({"section": section, "T": T, main_path: a, alt: b, "ratio": ratio})
 
         def fmt(r):
-            return f"{r['per']:>12.3g}{'*' if r.get('projected') else ' '}"
+            return f"{'-':>12} " if r.get("skipped") else f"{r['per']:>12.3g}{'*' if r.get('projected') else ' '}"
 
         def mib(r):
             return f"{r['peak_bytes'] / 2**20:>14.1f}Mi" if math.isfinite(r["peak_bytes"]) else f"{'-':>16}"
         print(f"{T:>6}{fmt(a):>14}{fmt(b):>14}{ratio:>8.3g}x{mib(a):>18}{mib(b):>16}")
-    verdict = {p: practical([(t, r["per"]) for t, r in measured[p]], args.bound, args.lengths[-1])
-               for p in (main_path, alt)}
+    verdict = {p: practical([(t, r["per"]) for t, r in measured[p]], args.bound)
+               for p in (main_path, alt) if measured[p]}
     for p, v in verdict.items():
         print(f"  {p}, practical (<= {args.bound:g} {unit}): {v}")
     return verdict
@@ -245,6 +258,9 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=1, help="torch threads (1: steadier on a shared machine)")
     p.add_argument("--cap", type=float, default=None, help="seconds one timed run may take (projected beyond)")
     p.add_argument("--bound", type=float, default=60.0, help="practical bound: seconds per 1,000 sequences")
+    p.add_argument("--sections", default=",".join(SECTIONS), help="comma-separated: " + ", ".join(SECTIONS))
+    p.add_argument("--lengths", default=None, help="comma-separated response lengths (default 64,...,1024)")
+    p.add_argument("--paths", default=None, help="run only these paths (comma-separated, e.g. kv_cache,engine)")
     p.add_argument("--json", default=None)
     p.add_argument("--child", nargs=5, default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -253,7 +269,12 @@ def main(argv=None) -> int:
         section, path, T, n, M = args.child
         print(json.dumps(child(section, path, int(T), int(n), int(M))))
         return 0
-    args.lengths = [16, 64] if args.quick else [64, 128, 256, 512, 1024]
+    args.lengths = ([int(t) for t in args.lengths.split(",")] if args.lengths
+                    else [16, 64] if args.quick else [64, 128, 256, 512, 1024])
+    sections = args.sections.split(",")
+    args.paths = args.paths.split(",") if args.paths else [q for v in SECTIONS.values() for q in v[:2]]
+    if not set(sections) <= set(SECTIONS):
+        p.error(f"unknown section in --sections {args.sections}; choose from {', '.join(SECTIONS)}")
     args.cap = args.cap or (20.0 if args.quick else 120.0)
     args.M = 4 if args.quick else 16
     args.sizes = {"sampling": {"kv_cache": 16 if args.quick else 256, "recompute": 4 if args.quick else 16},
@@ -270,10 +291,10 @@ def main(argv=None) -> int:
           f"(recompute) sequences; gradients {args.M} replicates x {args.sizes['gradients']['engine'] // args.M}; "
           f"Monte Carlo pilot {PILOT:,} samples")
     rows, verdicts = [], {}
-    for section in SECTIONS:
+    for section in sections:
         verdicts[section] = section_run(args, section, rows)
     meta["practical"] = verdicts
-    checks = checks_at(args.lengths[0], args)
+    checks = checks_at(min(args.lengths[0], 64), args)
     for r in rows:
         if r["section"] == "reference" and "pilot_z" in r["mc_1pct"]:
             z = r["mc_1pct"]["pilot_z"]

@@ -154,3 +154,11 @@ def test_long_env_runs_by_default_with_exact_bias():
     assert set(eb.index.get_level_values("estimator")) == {"reinforce", "token_is"}
     assert eb.loc[(0.0, "token_is")] < 1e-10 and eb.loc[(4.0, "reinforce")] > 1e-4
     assert np.isfinite(res[res.metric == "rel_mse"].value).all()
+
+
+def test_the_report_names_the_dp_truth():
+    from lab.studies.variance import report
+    from lab.studies.variance.tests.test_report import SUMMARY
+
+    md = report.answer(dict(SUMMARY, reference="dp", reference_pairs=0))
+    assert "by dynamic programming" in md and "Monte Carlo" not in md
