@@ -235,7 +235,7 @@ class Config:
         if problem.reference == "dp" and dp.dp_memory(env) > BATCH_MEMORY_BUDGET:
             raise LabError(f"the dynamic program at T = {env.length} needs {dp.dp_memory(env) / 2**30:.1f} GiB "
                            f"(budget {BATCH_MEMORY_BUDGET / 2**30:.0f} GiB); use a shorter length or fewer prompts")
-        if self.reference == "mc":  # the reference sample, drawn with every position's logits at once
+        if problem.reference == "mc":  # the reference sample, drawn with every position's logits at once
             ref = self.mc_samples * env.length * (env.vocab_size + 4) * 8
             if ref > BATCH_MEMORY_BUDGET:
                 raise LabError(f"a Monte Carlo reference of {self.mc_samples:,} samples needs about "
