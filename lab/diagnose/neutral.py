@@ -13,8 +13,10 @@ stream a log of any size in bounded memory.
 from __future__ import annotations
 
 import json
+import queue
 import shutil
 import tempfile
+import threading
 from pathlib import Path
 from typing import Iterator
 
@@ -438,12 +440,17 @@ class RolloutLog:
             finally:
                 pf.close()
 
-    def iter_tokens(self, columns, chunk_rows: int = 1 << 20) -> Iterator[tuple[int, dict]]:
+    def iter_tokens(self, columns, chunk_rows: int = 1 << 20, prefetch: bool = True) -> Iterator[tuple[int, dict]]:
         """Yield (first row number, {column: numpy array}) chunks; ``run`` comes as integer codes (``run``) into the
         chunk's list of run names (``run_values``); an optional column that is null on every row of the chunk comes
         as None, a log-prob column as NaN; ``kept_token_ids`` comes as (offsets [n + 1], ids, recorded [n]) arrays
-        (row i's set is ids[offsets[i]:offsets[i + 1]]). Required columns are checked for nulls."""
-        columns = list(dict.fromkeys(columns))
+        (row i's set is ids[offsets[i]:offsets[i + 1]]). Required columns are checked for nulls. With ``prefetch``
+        the next chunk is read and decoded on a second thread while the caller works on this one (pyarrow and
+        numpy release the GIL): reading overlaps the caller's work, at the cost of one more chunk in memory."""
+        chunks = self._chunks(list(dict.fromkeys(columns)), chunk_rows)
+        return _prefetched(chunks) if prefetch else chunks
+
+    def _chunks(self, columns: list, chunk_rows: int) -> Iterator[tuple[int, dict]]:
         offset = 0
         try:
             for batch in self._batches(columns, int(chunk_rows)):
@@ -475,6 +482,49 @@ class RolloutLog:
             else:
                 out[name] = col.to_numpy(zero_copy_only=False)
         return out
+
+
+def _prefetched(items: Iterator, depth: int = 1) -> Iterator:
+    """The items of ``items``, produced on a background thread at most ``depth`` ahead of the consumer; an
+    exception raised while producing is raised here, in order; closing this generator stops the thread."""
+    q: queue.Queue = queue.Queue(maxsize=depth)
+    stop = threading.Event()
+    end = object()
+
+    def produce():
+        try:
+            for item in items:
+                while not stop.is_set():
+                    try:
+                        q.put((item, None), timeout=0.1)
+                        break
+                    except queue.Full:
+                        continue
+                if stop.is_set():
+                    return
+            q.put((end, None))
+        except BaseException as e:  # handed to the consumer
+            q.put((end, e))
+        finally:
+            items.close()
+
+    thread = threading.Thread(target=produce, name="lab-diagnose-read", daemon=True)
+    thread.start()
+    try:
+        while True:
+            item, error = q.get()
+            if error is not None:
+                raise error
+            if item is end:
+                return
+            yield item
+    finally:
+        stop.set()
+        while thread.is_alive():  # let a blocked put finish
+            try:
+                q.get_nowait()
+            except queue.Empty:
+                thread.join(0.05)
 
 
 def _list_parts(col: pa.Array) -> tuple:

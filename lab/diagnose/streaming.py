@@ -16,8 +16,8 @@ the work on tokens is numpy on whole arrays: per-sequence sums are np.add.reduce
 one sequence), per-step moments and lag buckets add those run sums, so the tokens are summed once; the corrections'
 effects are computed on the tokens whose coefficient differs from their weight. Measured in
 benchmarks/bench_diagnose.py: the whole command against a bare pyarrow read of the same columns, and its peak
-memory, the same for logs of 10M and 20M tokens and for one 20M-row group. Torch work (the corrections'
-coefficients) runs on one thread: on elementwise chunk work more threads add contention.
+memory, the same for logs of 10M and 20M tokens and for one 20M-row group. The pass imports no torch (the
+corrections' coefficients are numpy, lab.diagnose.coefficients).
 
 Bad input stops with one LabError naming the file and row: an unknown (run, step, sample_id), a sequence whose
 token rows do not match its ``response_length``, or missing/NaN log-probs on loss-masked tokens. With
@@ -26,7 +26,6 @@ statistics leave out its whole sequence), and the counts are reported in the sum
 """
 from __future__ import annotations
 
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -517,8 +516,7 @@ def diagnose(log, *, nan: str = "error", pair: str = "natural", hyper: dict | No
     """Stream ``log`` (a RolloutLog or a path) once and compute every diagnostic. See the module docstring."""
     check_options(nan, pair, chunk_rows)
     log = log if isinstance(log, RolloutLog) else RolloutLog(log)
-    with _torch_threads(1):  # elementwise work on chunks: more threads add contention, not speed
-        return _diagnose(log, nan, pair, hyper, corrections, chunk_rows, progress, seed)
+    return _diagnose(log, nan, pair, hyper, corrections, chunk_rows, progress, seed)
 
 
 def check_options(nan: str = "error", pair: str = "natural", chunk_rows: int = 1) -> None:
@@ -529,18 +527,6 @@ def check_options(nan: str = "error", pair: str = "natural", chunk_rows: int = 1
         raise LabError(f"pair must be natural, total, mismatch or update, got {pair!r}")
     if isinstance(chunk_rows, bool) or not isinstance(chunk_rows, int) or not 1 <= chunk_rows <= CHUNK_ROWS_MAX:
         raise LabError(f"chunk_rows must be a whole number from 1 to {CHUNK_ROWS_MAX:,}, got {chunk_rows!r}")
-
-
-@contextmanager
-def _torch_threads(n: int):
-    import torch
-
-    old = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(old)
 
 
 def _diagnose(log, nan, pair, hyper, corrections, chunk_rows, progress, seed) -> Diagnostics:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import numpy as np
 import pandas as pd
-import torch
 
 from lab import diagnostics as wd
 from lab.diagnose import dashboards, histogram as H, truncation
@@ -36,7 +35,7 @@ def sequence_stats(L: np.ndarray) -> dict:
     if L.size == 0:
         return dict.fromkeys(("ess_frac", "chi2_seq_sampled", "max_weight_share", "khat", "dominant_share", "logw_mean",
                               "logw_sd", "w_median", "w_mean"), np.nan)
-    t = torch.from_numpy(np.array(L, dtype=np.float64))
+    t = np.array(L, dtype=np.float64)
     with np.errstate(over="ignore"):
         w_mean = float(np.mean(np.exp(np.minimum(L, 700.0))))
     return {"ess_frac": float(wd.kish_ess_fraction(t)), "chi2_seq_sampled": float(wd.chi2(t)),
