@@ -21,7 +21,6 @@ from pathlib import Path
 
 from lab.configs import seed_arg
 from lab.errors import LabError
-from lab.runs import remove_empty, scratch_dir, staging_dir
 
 TABLES = ("per_step", "overall", "by_probability", "by_length", "growth", "staleness", "corrections", "truncation",
           "histograms", "dashboards")
@@ -116,10 +115,9 @@ def plain(obj):
 def headline_text(diag) -> str:
     """The verdict and the overall numbers as plain text (what the command prints)."""
     lines = [f"- {line}" for line in diag.verdict]
-    o = diag.tables["overall"]
     lines.append("")
     lines.append(f"{'pair':<10}{'tokens':>12}{'mean|Δ|':>10}{'p99|Δ|':>10}{'ESS':>8}{'k-hat>0.7':>11}{'W median':>10}")
-    for _, r in o.iterrows():
+    for r in diag.summary["overall"].values():  # the rows of tables["overall"]
         lines.append(f"{r['pair']:<10}{int(r['n_tok']):>12,}{r['mean_abs']:>10.3g}{r['abs_p99']:>10.3g}"
                      f"{r['ess_median']:>8.2f}{int(r['khat_warning_steps']):>5}/{int(r['khat_steps']):<5}"
                      f"{r['w_median']:>10.3g}")
@@ -141,10 +139,12 @@ def _overlap(a: Path, b: Path) -> str | None:
 def check_targets(path: Path, out: Path | None, save_log: Path | None) -> None:
     """Refuse, before any work, an output that would replace or sit inside the input, two outputs that overlap, and
     an output that cannot be written or holds something else (lab.runs.check_out_dir, neutral.check_log_target)."""
+    targets = [(flag, Path(p)) for flag, p in (("--out", out), ("--save-log", save_log)) if p is not None]
+    if not targets:
+        return
     from lab.diagnose.neutral import check_log_target
     from lab.runs import check_out_dir, check_writable
 
-    targets = [(flag, Path(p)) for flag, p in (("--out", out), ("--save-log", save_log)) if p is not None]
     for flag, p in targets:
         how = _overlap(p, path)
         if how:
@@ -178,6 +178,8 @@ class Outputs:
         try:
             for d in dests:
                 d.parent.mkdir(parents=True, exist_ok=True)
+                from lab.runs import staging_dir  # imports pandas: only when there is an output
+
                 self._stages[d] = staging_dir(d, kind="staging")  # marked: a kill -9's is removed by the next run
         except BaseException:
             self.close()
@@ -208,7 +210,9 @@ class Outputs:
     def close(self) -> None:
         for tmp in self._stages.values():
             shutil.rmtree(tmp, ignore_errors=True)
-        if not self.committed:
+        if not self.committed and self.made:
+            from lab.runs import remove_empty
+
             remove_empty(self.made)
 
 
@@ -273,6 +277,8 @@ def run(args) -> int:
             if args.save_log is not None:
                 dest = outputs.stage(args.save_log)
             else:
+                from lab.runs import scratch_dir
+
                 scratch = scratch_dir("lab-diagnose")
                 dest = scratch / "log"
             log = RolloutLog(source.convert(args.path, dest, trust=args.trust_pickle, sampling=sampling))

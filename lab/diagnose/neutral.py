@@ -18,18 +18,19 @@ import shutil
 import tempfile
 import threading
 from pathlib import Path
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
 import numpy as np
-import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from lab.diagnose.schema import (ALL_TOKEN_COLUMNS, KEY, LOGP_COLUMNS, META, OPTIONAL_TOKEN_COLUMNS, SEQUENCE_COLUMNS,
+from lab.diagnose.schema import (ALL_TOKEN_COLUMNS, LOGP_COLUMNS, META, OPTIONAL_TOKEN_COLUMNS, SEQUENCE_COLUMNS,
                                  SEQUENCES, TOKEN_COLUMNS, TOKENS, arrow_schema, check_meta, check_schema, make_meta,
                                  read_meta)
 from lab.errors import LabError
-from lab.runs import replace_dir
+
+if TYPE_CHECKING:
+    import pandas as pd
 
 ROW_GROUP_ROWS = 1 << 20
 READ_BUFFER = 1 << 20  # bytes read at a time from a column chunk
@@ -181,6 +182,8 @@ class NeutralLogWriter:
             (self._tmp / META).write_text(json.dumps(self.meta, indent=2) + "\n")
             self._tmp.chmod(0o755)
             check_log_target(self.path)
+            from lab.runs import replace_dir  # imports pandas: not on the reading path
+
             replace_dir(self._tmp, self.path)
         except BaseException:
             self.abort()
@@ -394,7 +397,7 @@ class RolloutLog:
         check_schema(self._open(self.sequences_file).schema_arrow, SEQUENCE_COLUMNS, self.sequences_file)
         self.n_token_rows = self._tok.metadata.num_rows
         self.logp_columns = [c for c in LOGP_COLUMNS if self.meta["logp"][c] is not None]
-        self._seq = None
+        self._seq = self._seq_arrays = None
 
     @staticmethod
     def _open(file: Path, buffer_size: int = 0) -> pq.ParquetFile:
@@ -404,29 +407,43 @@ class RolloutLog:
             raise LabError(f"{file}: not a readable parquet file ({str(e).splitlines()[0]})") from None
 
     def sequences(self) -> pd.DataFrame:
-        """The sequences table, validated: required values present, keys unique, lengths >= 0."""
-        if self._seq is not None:
-            return self._seq
+        """The sequences table (pandas), validated as ``sequence_arrays``."""
+        import pandas as pd
+
+        if self._seq is None:
+            self._seq = pd.DataFrame(self.sequence_arrays())
+        return self._seq
+
+    def sequence_arrays(self) -> dict:
+        """The sequences table as {column: numpy array} (``run`` as str objects, a nullable integer or float column
+        as float64 with NaN for null), validated: required values present, keys unique, lengths >= 0."""
+        if self._seq_arrays is not None:
+            return self._seq_arrays
         f = self.sequences_file
         table = self._open(f).read()
-        for name, (_, required) in SEQUENCE_COLUMNS.items():
+        out = {}
+        for name in table.column_names:
             col = table.column(name)
-            if required and col.null_count:
+            if SEQUENCE_COLUMNS.get(name, (None, False))[1] and col.null_count:
                 row = int(np.flatnonzero(col.is_null().to_numpy(zero_copy_only=False))[0])
                 raise LabError(f"{f}: row {row}: column {name!r} is null; it is required")
-        df = table.to_pandas()
-        df["run"] = df["run"].astype(str)
-        if (df["response_length"] < 0).any():
-            row = int(np.flatnonzero(df["response_length"].to_numpy() < 0)[0])
+            if pa.types.is_dictionary(col.type) or pa.types.is_string(col.type) or pa.types.is_large_string(col.type):
+                out[name] = _strings(col)
+                continue
+            if pa.types.is_integer(col.type) and col.null_count:
+                col = col.cast(pa.float64())  # as pandas reads it: NaN for null
+            out[name] = _array(col.combine_chunks())
+        out["run"] = out["run"].astype(str).astype(object)
+        if (out["response_length"] < 0).any():
+            row = int(np.flatnonzero(out["response_length"] < 0)[0])
             raise LabError(f"{f}: row {row}: response_length is negative")
-        dup = df.duplicated(list(KEY))
+        dup = _duplicated(out["run"], out["step"], out["sample_id"])
         if dup.any():
-            row = int(np.flatnonzero(dup.to_numpy())[0])
-            r = df.iloc[row]
-            raise LabError(f"{f}: row {row}: sequence (run {r['run']!r}, step {r['step']}, sample_id {r['sample_id']}) "
-                           f"appears twice; (run, step, sample_id) must be unique")
-        self._seq = df
-        return df
+            row = int(np.flatnonzero(dup)[0])
+            raise LabError(f"{f}: row {row}: sequence (run {out['run'][row]!r}, step {out['step'][row]}, sample_id "
+                           f"{out['sample_id'][row]}) appears twice; (run, step, sample_id) must be unique")
+        self._seq_arrays = out
+        return out
 
     def _batches(self, columns, chunk_rows: int):
         """Record batches of at most ``chunk_rows`` rows, decoded page by page from a stream read in READ_BUFFER
@@ -470,7 +487,7 @@ class RolloutLog:
                 raise LabError(f"{self.tokens_file}: row {row}: column {name!r} is null; it is required")
             if name == "run":
                 if pa.types.is_dictionary(col.type):
-                    out["run"] = col.indices.to_numpy(zero_copy_only=False)
+                    out["run"] = _array(col.indices)
                     out["run_values"] = [str(v) for v in col.dictionary.to_pylist()]
                 else:
                     values, codes = np.unique(col.to_numpy(zero_copy_only=False).astype(str), return_inverse=True)
@@ -480,8 +497,49 @@ class RolloutLog:
             elif name == "kept_token_ids":
                 out[name] = _list_parts(col)
             else:
-                out[name] = col.to_numpy(zero_copy_only=False)
+                out[name] = _array(col)
         return out
+
+
+def _array(a: pa.Array) -> np.ndarray:
+    """A numpy array of an arrow array: a read-only view of the values buffer for a number or bool column without
+    nulls (pyarrow's to_numpy would import pandas, a third of a second), else pyarrow's to_numpy (NaN for null)."""
+    t = a.type
+    if a.null_count or not (pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_boolean(t)):
+        return a.to_numpy(zero_copy_only=False)
+    n, off, buf = len(a), a.offset, a.buffers()[1]
+    if buf is None:
+        return np.zeros(n, bool if pa.types.is_boolean(t) else "f8")
+    if pa.types.is_boolean(t):
+        bits = np.frombuffer(buf, np.uint8)
+        return np.unpackbits(bits, count=off + n, bitorder="little")[off:].view(bool)
+    kind = "f" if pa.types.is_floating(t) else "i" if pa.types.is_signed_integer(t) else "u"
+    return np.frombuffer(buf, np.dtype(f"{kind}{t.bit_width // 8}"), count=off + n)[off:]
+
+
+def _strings(col) -> np.ndarray:
+    """A (dictionary-encoded) string column as an object array of str, None where null (pyarrow's own to_numpy
+    goes through pandas for strings)."""
+    d = col.combine_chunks()
+    if pa.types.is_dictionary(d.type) and not d.null_count:
+        return np.array(d.dictionary.to_pylist(), dtype=object)[_array(d.indices).astype(np.intp)]
+    out = np.empty(len(d), dtype=object)
+    out[:] = d.to_pylist()
+    return out
+
+
+def _duplicated(*keys) -> np.ndarray:
+    """True on each row whose key (the ``keys`` arrays together) appeared on an earlier row (pandas' duplicated)."""
+    n = len(keys[0])
+    codes = [np.unique(k, return_inverse=True)[1].reshape(-1).astype(np.int64) for k in keys]
+    order = np.lexsort(codes[::-1])  # stable: equal keys stay in row order
+    same = np.ones(max(n - 1, 0), bool)
+    for c in codes:
+        cs = c[order]
+        same &= cs[1:] == cs[:-1]
+    out = np.zeros(n, bool)
+    out[order[1:][same]] = True
+    return out
 
 
 def _prefetched(items: Iterator, depth: int = 1) -> Iterator:

@@ -29,7 +29,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import numpy as np
-import pandas as pd
 
 from lab.diagnose import dashboards, histogram as H, truncation
 from lab.diagnose.corrections import CORRECTIONS, LOG_W_BOUND, resolve, token_effect
@@ -70,12 +69,17 @@ class Diagnostics:
 class _SeqIndex:
     """Vectorised (run, step, sample_id) -> row of the sequences table."""
 
-    def __init__(self, seq: pd.DataFrame):
-        self.runs = {r: i for i, r in enumerate(pd.unique(seq["run"]))}
-        rc = seq["run"].map(self.runs).to_numpy(np.int64)
-        self.steps = np.unique(seq["step"].to_numpy(np.int64))
-        self.sids = np.unique(seq["sample_id"].to_numpy(np.int64))
-        key = self._key(rc, seq["step"].to_numpy(np.int64), seq["sample_id"].to_numpy(np.int64))
+    def __init__(self, seq: dict):
+        names, first, inverse = np.unique(seq["run"].astype(str), return_index=True, return_inverse=True)
+        rank = np.argsort(first, kind="stable")  # run codes in order of first appearance
+        self.runs = {str(names[j]): i for i, j in enumerate(rank)}
+        code = np.empty(len(names), np.int64)
+        code[rank] = np.arange(len(names))
+        self.rc = code[inverse.reshape(-1)]
+        step, sid = np.asarray(seq["step"], np.int64), np.asarray(seq["sample_id"], np.int64)
+        self.steps = np.unique(step)
+        self.sids = np.unique(sid)
+        key = self._key(self.rc, step, sid)
         self.order = np.argsort(key, kind="stable")
         self.sorted = key[self.order]
 
@@ -151,25 +155,31 @@ class _Pass:
 
     def __init__(self, log: RolloutLog, nan: str, pair: str, hyper: dict | None, names, chunk_rows: int):
         self.log, self.nan, self.chunk_rows = log, nan, int(chunk_rows)
-        self.seq = log.sequences()
+        self.seq = log.sequence_arrays()
         self.index = _SeqIndex(self.seq)
-        n = len(self.seq)
+        self.n_seq = n = len(self.seq["step"])
         cols = log.logp_columns
         self.pairs = pairs_of(cols)
         if not self.pairs:
             raise LabError(f"{log.path}: no pair of log-prob columns to compare (has {', '.join(cols)})")
         self.corrections = resolve(self.pairs, names, pair, hyper)
-        # steps: (run, step) groups in order of first appearance in the sequences table
-        grouped = self.seq.groupby(["run", "step"], sort=False)
-        self.seq_step = grouped.ngroup().to_numpy(np.int64)
-        self.step_groups = self.seq[["run", "step"]].drop_duplicates().reset_index(drop=True)
-        S = len(self.step_groups)
+        # steps: (run, step) groups numbered in order of first appearance in the sequences table
+        step = np.asarray(self.seq["step"], np.int64)
+        _, first, inverse = np.unique(self.index.rc * (len(self.index.steps) + 1) + np.searchsorted(self.index.steps,
+                                                                                                     step),
+                                      return_index=True, return_inverse=True)
+        rank = np.argsort(first, kind="stable")
+        group = np.empty(len(first), np.int64)
+        group[rank] = np.arange(len(first))
+        self.seq_step = group[inverse.reshape(-1)]
+        self.step_groups = {"run": self.seq["run"][first[rank]], "step": step[first[rank]]}
+        S = len(first)
         self.S = S
         f64 = lambda *shape: np.zeros(shape, np.float64)  # noqa: E731
         self.n_rows, self.n_masked, self.n_valid = f64(n), f64(n), f64(n)
         self.n_bad_seq = f64(n)
         self.pos_sum = f64(n)
-        self.resp_len = self.seq["response_length"].to_numpy(np.int64)
+        self.resp_len = np.asarray(self.seq["response_length"], np.int64)
         self.a_abs, self.a_sum = f64(n), f64(n)
         self.L = {p: f64(n) for p in self.pairs}
         self.S_abs = {p: f64(n) for p in self.pairs}
@@ -184,9 +194,9 @@ class _Pass:
                                   "seq_added": f64(n)} for c in self.corrections if c.level == "token"}
         self.bad = {c: 0 for c in cols}
         self.first_bad = None  # (row, column, sequence row, position, what)
-        self.seq_adv = self.seq["advantage"].to_numpy(np.float64)
-        self.seq_tv = self.seq["trainer_version"].to_numpy(np.float64)
-        vmin, vmax = self.seq["version_min"].to_numpy(np.float64), self.seq["version_max"].to_numpy(np.float64)
+        self.seq_adv = np.asarray(self.seq["advantage"], np.float64)
+        self.seq_tv = np.asarray(self.seq["trainer_version"], np.float64)
+        vmin, vmax = np.asarray(self.seq["version_min"], np.float64), np.asarray(self.seq["version_max"], np.float64)
         self.seq_ver = np.where(vmin == vmax, vmin, np.nan)  # a token's version when its row has none
         self.adv_source = set()
         self.dash = dashboards.Accumulator(n, S) if "mismatch" in self.pairs else None
@@ -305,7 +315,7 @@ class _Pass:
 
     def _where(self, row: int, si: int, pos: int) -> str:
         """Where a token is: its dump's origin and position, else the tokens file's row."""
-        r = self.seq.iloc[si]
+        r = self._seq_row(si)
         if _has_origin(r):
             return f"{r['origin']}: token {pos} of step {r['step']}"
         return f"{self.log.tokens_file}: row {row}: step {r['step']}, sample_id {r['sample_id']}"
@@ -463,13 +473,17 @@ class _Pass:
                                 ("seq_removed", per_run(removed)), ("seq_added", per_run(added))):
                 k.add(acc[key], values)
 
+    def _seq_row(self, i: int) -> dict:
+        """Row ``i`` of the sequences table."""
+        return {k: v[i] for k, v in self.seq.items()}
+
     # ------------------------------------------------------------------------------------------------ checks
     def finish_checks(self) -> None:
-        want = self.seq["response_length"].to_numpy(np.float64)
+        want = self.resp_len.astype(np.float64)
         off = np.flatnonzero(self.n_rows != want)
         if off.size:
             i = int(off[0])
-            r = self.seq.iloc[i]
+            r = self._seq_row(i)
             origin = f" (from {r['origin']})" if _has_origin(r) else ""
             raise LabError(f"{self.log.sequences_file}: row {i}: response_length is {int(want[i])} but "
                            f"{self.log.tokens_file.name} has {int(self.n_rows[i])} rows for (run {r['run']!r}, step "
@@ -478,7 +492,7 @@ class _Pass:
         off = np.flatnonzero(self.pos_sum != n_len * (n_len - 1) / 2)
         if off.size:
             i = int(off[0])
-            r = self.seq.iloc[i]
+            r = self._seq_row(i)
             raise LabError(f"{self.log.sequences_file}: row {i}: the token positions of (run {r['run']!r}, step "
                            f"{r['step']}, sample_id {r['sample_id']}) are not 0..{int(n_len[i]) - 1}, each once")
         total_bad = sum(self.bad.values())
@@ -490,7 +504,7 @@ class _Pass:
                            f"such tokens in {n_seq} sequences ({counts}); fix the log or pass "
                            f"--nan drop to exclude them (counted in the report)")
         if not self.n_valid.sum():
-            what = (f"{len(self.seq)} sequences, none with a loss-masked token" if len(self.seq)
+            what = (f"{self.n_seq} sequences, none with a loss-masked token" if self.n_seq
                     else "no sequences")
             dropped = f" ({total_bad} dropped by --nan drop)" if total_bad else ""
             raise LabError(f"{self.log.path}: nothing to diagnose: {what}{dropped}; the log needs loss-masked tokens "
