@@ -408,10 +408,11 @@ class RolloutLog:
 
     def sequences(self) -> pd.DataFrame:
         """The sequences table (pandas), validated as ``sequence_arrays``."""
-        import pandas as pd
-
         if self._seq is None:
-            self._seq = pd.DataFrame(self.sequence_arrays())
+            self.sequence_arrays()  # the checks
+            df = self._open(self.sequences_file).read().to_pandas()
+            df["run"] = df["run"].astype(str)
+            self._seq = df
         return self._seq
 
     def sequence_arrays(self) -> dict:
