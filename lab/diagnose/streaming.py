@@ -232,21 +232,22 @@ class _Pass:
         adv, a_w = self._advantages(c, k)
         pb, low = self._probability_bins(c, k)
         lag_run, lag_tok = self._lag_buckets(c, k)
-        w_pairs, deltas = {}, {}
+        w_pairs, deltas, ratios = {}, {}, {}
         for p in self.pairs:
             d = self._delta(c, p, k)
-            self._add_pair(p, d, k, pb, low, lag_run, lag_tok)
-            if p in self.trunc.pairs:
-                deltas[p] = d
-                self.pbin[p]["ratio"] += np.bincount(pb, weights=truncation.ratio(d, valid),
-                                                     minlength=len(P_EDGES) - 1)
-            if p == "mismatch" or any(corr.pair == p and corr.level == "token" for corr in self.corrections):
+            max_abs = self._add_pair(p, d, k, pb, low, lag_run, lag_tok)
+            if p == "mismatch" or p in self.trunc.pairs or any(corr.pair == p and corr.level == "token"
+                                                                for corr in self.corrections):
                 with np.errstate(over="ignore"):
                     w_pairs[p] = np.exp(np.clip(d, -LOG_W_BOUND, LOG_W_BOUND))
+            if p in self.trunc.pairs:  # e^delta clipped at +-50: the same numbers as w where |delta| <= 20
+                deltas[p] = d
+                ratios[p] = truncation.ratio(d, valid, w_pairs[p] if max_abs <= LOG_W_BOUND else None)
+                self.pbin[p]["ratio"] += np.bincount(pb, weights=ratios[p], minlength=len(P_EDGES) - 1)
             if p == "mismatch":
                 self.dash.add(d, w_pairs[p], c["old_logp"], c["sampler_logp"], k)
         self._add_token_corrections(w_pairs, adv, a_w, k)
-        self.trunc.add(offset, c, k, deltas, valid, pos)
+        self.trunc.add(offset, c, k, deltas, valid, pos, ratios)
 
     def _locate_runs(self, offset: int, c: dict) -> _Chunk | None:
         """The chunk's runs (None for an empty chunk); LabError for a (run, step, sample_id) not in the sequences
@@ -398,9 +399,9 @@ class _Pass:
             d[k.invalid] = 0.0
         return d
 
-    def _add_pair(self, p: str, d: np.ndarray, k: _Chunk, pb, low, lag_run, lag_tok) -> None:
+    def _add_pair(self, p: str, d: np.ndarray, k: _Chunk, pb, low, lag_run, lag_tok) -> float:
         """Add pair ``p``'s delta to the per-sequence sums (L, sum |delta|, sum |delta| on low-p tokens), the
-        per-step moments and histogram, the probability bins and the lag buckets."""
+        per-step moments and histogram, the probability bins and the lag buckets; returns the chunk's max |delta|."""
         ad = np.abs(d)
         L, S_abs = k.red(d), k.red(ad)
         k.add(self.L[p], L)
@@ -412,7 +413,8 @@ class _Pass:
         m = self.mom[p]
         for key, per_run in (("n", k.n_val), ("sum", L), ("abs", S_abs), ("sum2", k.red(d2)), ("k3", k.red(k3))):
             k.per_step(m[key], per_run)
-        np.maximum.at(m["max"], k.run_step, np.maximum.reduceat(ad, k.starts))
+        run_max = np.maximum.reduceat(ad, k.starts)
+        np.maximum.at(m["max"], k.run_step, run_max)
         self._add_histogram(self.hist[p], d, k)
         q = self.pbin[p]
         q["sum"] += np.bincount(pb, weights=d, minlength=len(q["sum"]))
@@ -428,6 +430,7 @@ class _Pass:
             g["n"] += np.bincount(b, weights=v, minlength=nb)
             g["abs"] += np.bincount(b, weights=ad[rows], minlength=nb)
             g["sum"] += np.bincount(b, weights=d[rows], minlength=nb)
+        return float(run_max.max())
 
     @staticmethod
     def _add_histogram(hist: np.ndarray, d: np.ndarray, k: _Chunk) -> None:
