@@ -26,6 +26,8 @@ statistics leave out its whole sequence), and the counts are reported in the sum
 """
 from __future__ import annotations
 
+import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -109,6 +111,7 @@ class _Chunk:
         self.unique = len(np.unique(run_seq)) == len(run_seq)
         self.s_lo, self.s_hi = int(run_step.min()), int(run_step.max())
         self._seq_idx = None
+        self.step_spans_cached = None
 
     def red(self, x: np.ndarray) -> np.ndarray:
         """Per-run sums of a per-token array (float64)."""
@@ -202,6 +205,7 @@ class _Pass:
         self.dash = dashboards.Accumulator(n, S) if "mismatch" in self.pairs else None
         self.dtype = np.float32 if log.meta["logp_dtype"] == "float32" else np.float64
         self.ref = "sampler_logp" if "sampler_logp" in cols else "old_logp"
+        self.pool = None  # a thread pool for the pairs' sums (see _diagnose)
         p_edges = P_EDGES[1:-1]  # p_bin = number of inner edges <= p (searchsorted's bins, as comparisons)
         self._inner_edges = p_edges
         self._low_bin = int(np.searchsorted(p_edges, LOW_P, side="right"))  # p < LOW_P <=> p_bin < this
@@ -233,9 +237,15 @@ class _Pass:
         pb, low = self._probability_bins(c, k)
         lag_run, lag_tok = self._lag_buckets(c, k)
         w_pairs, deltas, ratios = {}, {}, {}
+        ds = {p: self._delta(c, p, k) for p in self.pairs}
+        k.step_spans_cached = k.step_spans()
+        if self.pool is not None:  # each pair's sums are its own: the pairs run side by side (numpy frees the GIL)
+            futures = {p: self.pool.submit(self._add_pair, p, ds[p], k, pb, low, lag_run, lag_tok) for p in ds}
+            max_abs_of = {p: f.result() for p, f in futures.items()}
+        else:
+            max_abs_of = {p: self._add_pair(p, ds[p], k, pb, low, lag_run, lag_tok) for p in ds}
         for p in self.pairs:
-            d = self._delta(c, p, k)
-            max_abs = self._add_pair(p, d, k, pb, low, lag_run, lag_tok)
+            d, max_abs = ds[p], max_abs_of[p]
             if p == "mismatch" or p in self.trunc.pairs or any(corr.pair == p and corr.level == "token"
                                                                 for corr in self.corrections):
                 with np.errstate(over="ignore"):
@@ -437,7 +447,7 @@ class _Pass:
         """Histogram of the valid tokens' delta per step (rows that are not valid have delta 0: they are taken
         back out of the central bin)."""
         b = H.bin_index(d)
-        for s, lo, hi in k.step_spans():
+        for s, lo, hi in k.step_spans_cached:
             hist[s] += np.bincount(b[lo:hi], minlength=H.NBINS)
         if k.invalid is not None:
             width = k.s_hi - k.s_lo + 1
@@ -552,12 +562,17 @@ def _diagnose(log, nan, pair, hyper, corrections, chunk_rows, progress, seed) ->
     if log.has_kept_sets:
         cols += ["token_id", "kept_token_ids"]
     bar = progress_bar(log.n_token_rows, "diagnose", enabled=progress, unit="tok", unit_scale=True)
+    if len(st.pairs) > 1 and (os.cpu_count() or 1) > 1:
+        st.pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="lab-diagnose-pair")
     try:
         for offset, chunk in log.iter_tokens(cols, chunk_rows):
             st.chunk(offset, chunk)
             bar.update(len(chunk["step"]))
     finally:
         bar.close()
+        if st.pool is not None:
+            st.pool.shutdown()
+            st.pool = None
     st.finish_checks()
     from lab.diagnose.tables import build  # tables and verdict from the accumulated state
     return build(st, seed=seed)
