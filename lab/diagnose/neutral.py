@@ -121,7 +121,8 @@ class NeutralLogWriter:
         self._tmp = Path(tempfile.mkdtemp(prefix=f".{self.path.name}.", dir=self.path.parent))
         self._tok_schema = arrow_schema(ALL_TOKEN_COLUMNS, self.meta["logp_dtype"])
         self._seq_schema = arrow_schema(SEQUENCE_COLUMNS)
-        self._tok_writer = pq.ParquetWriter(self._tmp / TOKENS, self._tok_schema)
+        # dictionary encoding for the run name only: on the log-probs it never pays and doubles the writing time
+        self._tok_writer = pq.ParquetWriter(self._tmp / TOKENS, self._tok_schema, use_dictionary=["run"])
         self._seq_writer = pq.ParquetWriter(self._tmp / SEQUENCES, self._seq_schema)
         self._buf = {"tok": [], "seq": []}
         self._buffered = {"tok": 0, "seq": 0}
