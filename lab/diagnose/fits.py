@@ -57,7 +57,8 @@ def ratio_intervals(requests: dict, n_boot: int = 200, seed: int = 0, ci: float 
     for b0 in range(0, n_boot if n else 0, block):
         b1 = min(b0 + block, n_boot)
         w = rng.poisson(1.0, (b1 - b0, n)).astype(np.float64)  # the same draws, in order, as one resample at a time
-        s = w @ both.T  # [resamples, 2 ratios]: one matrix product, not one per resample
+        s = (both @ w.T).T  # [resamples, 2 ratios]: one matrix product, not one per resample (in this order: the
+        # other, w @ both.T, is 10-20x slower with OpenBLAS's threads on a busy machine)
         d = s[:, len(names):]
         with np.errstate(invalid="ignore", divide="ignore"):
             boots[b0:b1] = np.where(d != 0, s[:, :len(names)] / d, np.nan)
