@@ -8,6 +8,7 @@
     .venv/bin/python benchmarks/bench_diagnose.py --lengths 4 12     # short responses: memory per sequence
     .venv/bin/python benchmarks/bench_diagnose.py --pandas           # also the pandas read-then-compute (agreement)
     .venv/bin/python benchmarks/bench_diagnose.py --json out.json    # also save every number
+    .venv/bin/python benchmarks/bench_diagnose.py --baseline ../old  # also another checkout's lab diagnose, interleaved
 
 Neutral logs (``lab.diagnose.synthetic.random_log``: sampler, old and current log-probs, versions, advantages,
 entropy; responses of 64 to 1024 tokens (``--lengths``), batches of 512) of N = ``--tokens`` tokens in 1M-row
@@ -24,6 +25,10 @@ training-data log (JSONL), and a slime ``--dump-details`` folder (``torch.save``
 lab.diagnose --from FORMAT DUMP`` (conversion and diagnostics) against a process that only parses the same files
 (orjson.loads of every line, the fastest parser at hand; json.loads for reference; torch.load with
 weights_only=True of every file).
+
+``--baseline DIR`` adds ``lab diagnose`` run from another checkout of the project (DIR, e.g. a git worktree of an
+earlier commit) to every comparison, interleaved with the others in each repeat: before and after under the same
+load.
 
 Memory: each process's peak resident set size (VmHWM, read as it exits), and for ``lab diagnose`` the same less
 the peak of a process that only imports what it imports (the state the pass itself holds). Read ratios, not
@@ -64,8 +69,10 @@ PARSE = {
     "torch.load": "import pathlib, sys, torch\nfor f in sorted(pathlib.Path(sys.argv[1]).rglob('*.pt')):\n"
                   "    torch.load(f, weights_only=True)\n",
 }
-IMPORTS = ("import lab.diagnose.cli, lab.diagnose.streaming, lab.diagnose.tables, lab.diagnose.adapters.slime, "
-           "lab.estimators, lab.diagnostics")
+# what `lab diagnose` imports on a neutral log (the modules of the pass, its tables and the command; no torch, no
+# pandas); the framework adapters import more
+IMPORTS = ("import lab.diagnose.cli, lab.diagnose.streaming, lab.diagnose.tables, lab.diagnose.adapters, "
+           "lab.diagnose.coefficients, lab.estimators, lab.diagnostics, pyarrow.parquet")
 
 
 PEAK = r"""
@@ -88,14 +95,23 @@ else:
 """
 
 
+BASELINE = "--baseline"  # argv[0] marker: run the rest from the baseline checkout
+BASELINE_DIR: Path | None = None
+
+
 def run(argv: list) -> tuple[float, float]:
     """(wall seconds, peak RSS in MiB) of one whole process: ``argv`` is ["-m", module, *args] or ["-c", code,
-    *args], run by this Python."""
+    *args], run by this Python (from the baseline checkout when argv[0] is BASELINE)."""
+    root, env = ROOT, {**os.environ, "LAB_QUIET": "1"}
+    if argv[0] == BASELINE:
+        root, argv = BASELINE_DIR, argv[1:]
+        env["PYTHONPATH"] = str(BASELINE_DIR)
+    elif "PYTHONPATH" in env:
+        env["PYTHONPATH"] = str(ROOT)
     with tempfile.NamedTemporaryFile(prefix="bench-peak-") as f:
         t0 = time.perf_counter()
-        proc = subprocess.run([sys.executable, "-c", PEAK, f.name, *map(str, argv)], cwd=ROOT,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                              env={**os.environ, "LAB_QUIET": "1"})
+        proc = subprocess.run([sys.executable, "-c", PEAK, f.name, *map(str, argv)], cwd=root,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
         wall = time.perf_counter() - t0
         if proc.returncode != 0:
             raise SystemExit(f"{' '.join(map(str, argv[:4]))} failed:\n{proc.stderr[-2000:]}")
@@ -112,11 +128,18 @@ def compare(variants: dict, repeats: int) -> dict:
                    "all_seconds": [round(s, 3) for s, _ in v]} for name, v in got.items()}
 
 
+def _baseline(argv: list) -> dict:
+    return {"diagnose_baseline": [BASELINE, *argv]} if BASELINE_DIR is not None else {}
+
+
 def log_ratios(path: Path, repeats: int, import_mib: float) -> dict:
-    res = compare({"diagnose": ["-m", "lab.diagnose", path], "floor_1thread": ["-c", FLOOR, path, "one"],
-                   "floor_threads": ["-c", FLOOR, path, "threads"]}, repeats)
+    res = compare({"diagnose": ["-m", "lab.diagnose", path], **_baseline(["-m", "lab.diagnose", path]),
+                   "floor_1thread": ["-c", FLOOR, path, "one"], "floor_threads": ["-c", FLOOR, path, "threads"]},
+                  repeats)
     floor = min(res["floor_1thread"]["seconds"], res["floor_threads"]["seconds"])
     res["ratio"] = res["diagnose"]["seconds"] / floor
+    if BASELINE_DIR is not None:
+        res["ratio_baseline"] = res["diagnose_baseline"]["seconds"] / floor
     res["ratio_1thread"] = res["diagnose"]["seconds"] / res["floor_1thread"]["seconds"]
     res["state_mib"] = res["diagnose"]["peak_mib"] - import_mib
     return res
@@ -192,8 +215,11 @@ def dump_ratios(folder: Path, n_tokens: int, repeats: int) -> dict:
     for fmt, path in write_dumps(folder, n_tokens).items():
         floors = ("orjson", "json") if fmt != "slime" else ("torch.load",)
         r = compare({"diagnose": ["-m", "lab.diagnose", "--from", fmt, path],
+                     **_baseline(["-m", "lab.diagnose", "--from", fmt, path]),
                      **{f"parse_{f}": ["-c", PARSE[f], path] for f in floors}}, repeats)
         r["ratio"] = r["diagnose"]["seconds"] / r[f"parse_{floors[0]}"]["seconds"]
+        if BASELINE_DIR is not None:
+            r["ratio_baseline"] = r["diagnose_baseline"]["seconds"] / r[f"parse_{floors[0]}"]["seconds"]
         if fmt != "slime":
             r["ratio_json"] = r["diagnose"]["seconds"] / r["parse_json"]["seconds"]
         r["mib_on_disk"] = sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) / 2**20
@@ -253,7 +279,14 @@ def main() -> int:
     ap.add_argument("--keep", type=Path, default=None, help="write (or reuse) the logs and dumps in this folder")
     ap.add_argument("--pandas", action="store_true", help="also the pandas read-then-compute on the first log")
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--baseline", type=Path, default=None, metavar="DIR",
+                    help="also run lab diagnose from this other checkout, interleaved (before/after)")
     args = ap.parse_args()
+    global BASELINE_DIR
+    if args.baseline is not None:
+        if not (args.baseline / "lab" / "diagnose").is_dir():
+            raise SystemExit(f"--baseline {args.baseline}: not a checkout of this project (no lab/diagnose)")
+        BASELINE_DIR = args.baseline.resolve()
     n = int(3e5 if args.quick else args.tokens)
     n_dumps = int(2e5 if args.quick and args.dumps else args.dumps)
     repeats = 1 if args.quick else args.repeats
@@ -267,8 +300,9 @@ def main() -> int:
         load0 = os.getloadavg()
         print(f"python {platform.python_version()}, {os.cpu_count()} cores, load average {load0[0]:.2f} "
               f"(1 min) {load0[1]:.2f} (5 min); {repeats} interleaved repeats, medians")
-        import_mib = compare({"imports": ["-c", IMPORTS]}, repeats)["imports"]["peak_mib"]
-        res = {"imports_peak_mib": import_mib, "logs": {}}
+        imports = compare({"imports": ["-c", IMPORTS]}, repeats)["imports"]
+        import_mib = imports["peak_mib"]
+        res = {"imports_peak_mib": import_mib, "imports_seconds": imports["seconds"], "logs": {}}
         print(f"\n{'neutral log':<24}{'rows':>12}{'groups':>7}{'floor s':>9}{'(1 thr)':>9}{'diagnose s':>11}"
               f"{'ratio':>7}{'(1 thr)':>8}{'peak MiB':>9}{'state':>7}{'floor MiB':>10}")
         for name, (path, rows, groups) in logs.items():
@@ -278,8 +312,12 @@ def main() -> int:
                   f"{r['floor_1thread']['seconds']:>9.2f}{r['diagnose']['seconds']:>11.2f}{r['ratio']:>6.2f}x"
                   f"{r['ratio_1thread']:>7.2f}x{r['diagnose']['peak_mib']:>9.0f}{r['state_mib']:>7.0f}"
                   f"{r['floor_threads']['peak_mib']:>10.0f}")
+            if BASELINE_DIR is not None:
+                b = r["diagnose_baseline"]
+                print(f"{'  baseline':<24}{'':>12}{'':>7}{'':>9}{'':>9}{b['seconds']:>11.2f}"
+                      f"{r['ratio_baseline']:>6.2f}x{'':>8}{b['peak_mib']:>9.0f}")
         print(f"(peak MiB: the whole process; state: less the {import_mib:.0f} MiB of a process that only imports "
-              f"the same modules)")
+              f"the same modules, which takes {imports['seconds']:.2f} s)")
         if n_dumps:
             res["dumps"] = dump_ratios(folder / "dumps", n_dumps, repeats)
             print(f"\n{'framework dump':<24}{'MiB':>7}{'parse s':>9}{'diagnose s':>11}{'ratio':>7}  floor")
@@ -289,6 +327,9 @@ def main() -> int:
                          if fmt != "slime" else "")
                 print(f"{fmt:<24}{r['mib_on_disk']:>7.0f}{r[floor]['seconds']:>9.2f}{r['diagnose']['seconds']:>11.2f}"
                       f"{r['ratio']:>6.2f}x  {floor[6:]}{extra}")
+                if BASELINE_DIR is not None:
+                    b = r["diagnose_baseline"]
+                    print(f"{'  baseline':<24}{'':>7}{'':>9}{b['seconds']:>11.2f}{r['ratio_baseline']:>6.2f}x")
         if args.pandas:
             first = next(iter(logs.values()))[0]
             res["pandas"] = pandas_comparison(first)

@@ -1,4 +1,5 @@
-"""Importance-weight diagnostics over the last axis (the B samples of a batch), vectorised over leading axes.
+"""Importance-weight diagnostics over the last axis (the B samples of a batch), vectorised over leading axes; each
+takes a torch tensor or a numpy array and returns the same kind (torch is imported only for a tensor).
 
 - Kish ESS fraction: (sum w)^2 / (n sum w^2)  (Kish 1965; optimistic under heavy tails)
 - max-weight share: max w / sum w
@@ -14,19 +15,29 @@
 from __future__ import annotations
 
 import numpy as np
-import torch
+
+from lab.lazy import torch
 
 
-def kish_ess_fraction(log_w: torch.Tensor) -> torch.Tensor:
+def kish_ess_fraction(log_w):
+    if isinstance(log_w, np.ndarray):
+        w = np.exp(log_w - log_w.max(-1, keepdims=True))
+        return w.sum(-1) ** 2 / (w.shape[-1] * (w**2).sum(-1))
     w = torch.exp(log_w - log_w.max(-1, keepdim=True).values)
     return w.sum(-1) ** 2 / (w.shape[-1] * (w**2).sum(-1))
 
 
-def max_weight_share(log_w: torch.Tensor) -> torch.Tensor:
+def max_weight_share(log_w):
+    if isinstance(log_w, np.ndarray):
+        w = np.exp(log_w - log_w.max(-1, keepdims=True))
+        return (w / w.sum(-1, keepdims=True)).max(-1)
     return torch.softmax(log_w, -1).max(-1).values
 
 
-def chi2(log_w: torch.Tensor) -> torch.Tensor:
+def chi2(log_w):
+    if isinstance(log_w, np.ndarray):
+        with np.errstate(over="ignore"):
+            return np.exp(2 * log_w).mean(-1) - 1.0
     return torch.exp(2 * log_w).mean(-1) - 1.0
 
 

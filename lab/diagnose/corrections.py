@@ -2,10 +2,10 @@
 masks or reweights, and the share of importance-sampling gradient weight it removes (or adds).
 
 Every correction is an effective coefficient c on A grad log pi(y_t) (the registry's ``coefficient`` functions,
-lab.estimators, at the defaults their sources run), applied to the raw importance weight w it replaces:
-w = rho_t = exp(delta_t) for token-level corrections, W = exp(L) (L = sum_t delta_t, clamped to +-20 as verl
-does) for sequence-level ones, s = exp(L / n) for GSPO's geometric mean. With advantage weights a = |A|
-(1 when the log has no advantages):
+lab.estimators, at the defaults their sources run; evaluated by their numpy versions, lab.diagnose.coefficients),
+applied to the raw importance weight w it replaces: w = rho_t = exp(delta_t) for token-level corrections,
+W = exp(L) (L = sum_t delta_t, clamped to +-20 as verl does) for sequence-level ones, s = exp(L / n) for GSPO's
+geometric mean. With advantage weights a = |A| (1 when the log has no advantages):
 
     removed = sum a (w - c)+ / sum a w        added = sum a (c - w)+ / sum a w
 
@@ -24,9 +24,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-import torch
 
 from lab import estimators
+from lab.diagnose.coefficients import NUMPY
 
 
 CORRECTIONS = ("tis_token", "tis_seq", "mis_token", "mis_seq", "ppo_clip", "gspo", "cispo", "sapo", "vespo")
@@ -49,11 +49,15 @@ class Correction:
         return LABELS.get(self.name, self.name)
 
     def coefficient(self, ratio: np.ndarray, advantage: np.ndarray) -> np.ndarray:
-        """c(w, A) from the registry, float64, vectorised."""
-        from lab import estimators
+        """c(w, A), float64, vectorised: the numpy version of the registry's function (lab.diagnose.coefficients)
+        for the report's corrections, the registry's own (torch) for any other name."""
+        fn = NUMPY.get(self.name)
+        if fn is not None:
+            ratio, advantage = (np.asarray(x, dtype=np.float64) for x in (ratio, advantage))
+            return np.asarray(fn(ratio, advantage, **self.hyper), dtype=np.float64)
+        import torch
 
-        fn = estimators.info(self.name).coefficient
-        out = fn(_tensor(ratio), _tensor(advantage), **self.hyper)
+        out = estimators.info(self.name).coefficient(_tensor(ratio), _tensor(advantage), **self.hyper)
         return out.numpy() if torch.is_tensor(out) else np.asarray(out, dtype=np.float64)
 
     def describe(self) -> str:
@@ -62,8 +66,10 @@ class Correction:
         return ", ".join(f"{k}={v}" for k, v in shown.items())
 
 
-def _tensor(x) -> torch.Tensor:
+def _tensor(x):
     """A float64 tensor sharing the array's memory (copied only when the array is read-only)."""
+    import torch
+
     a = np.ascontiguousarray(x, dtype=np.float64)
     return torch.from_numpy(a if a.flags.writeable else a.copy())
 

@@ -18,7 +18,6 @@ averaging). Sources:
 from __future__ import annotations
 
 import numpy as np
-import pandas as pd
 
 from lab.diagnose.corrections import LOG_W_BOUND
 
@@ -91,9 +90,11 @@ class Accumulator:
             k.add(self.seq[key], k.red(x))
 
 
-def table(st) -> pd.DataFrame:
+def table(st):
     """One row per (step, metric): run, step, framework, metric, value, definition (NaN where a step has no valid
-    token)."""
+    token), a pandas DataFrame."""
+    import pandas as pd
+
     acc = getattr(st, "dash", None)
     cols = ["run", "step", "framework", "metric", "value", "definition"]
     if acc is None:

@@ -13,21 +13,24 @@ stream a log of any size in bounded memory.
 from __future__ import annotations
 
 import json
+import queue
 import shutil
 import tempfile
+import threading
 from pathlib import Path
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
 import numpy as np
-import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from lab.diagnose.schema import (ALL_TOKEN_COLUMNS, KEY, LOGP_COLUMNS, META, OPTIONAL_TOKEN_COLUMNS, SEQUENCE_COLUMNS,
+from lab.diagnose.schema import (ALL_TOKEN_COLUMNS, LOGP_COLUMNS, META, OPTIONAL_TOKEN_COLUMNS, SEQUENCE_COLUMNS,
                                  SEQUENCES, TOKEN_COLUMNS, TOKENS, arrow_schema, check_meta, check_schema, make_meta,
                                  read_meta)
 from lab.errors import LabError
-from lab.runs import replace_dir
+
+if TYPE_CHECKING:
+    import pandas as pd
 
 ROW_GROUP_ROWS = 1 << 20
 READ_BUFFER = 1 << 20  # bytes read at a time from a column chunk
@@ -118,7 +121,8 @@ class NeutralLogWriter:
         self._tmp = Path(tempfile.mkdtemp(prefix=f".{self.path.name}.", dir=self.path.parent))
         self._tok_schema = arrow_schema(ALL_TOKEN_COLUMNS, self.meta["logp_dtype"])
         self._seq_schema = arrow_schema(SEQUENCE_COLUMNS)
-        self._tok_writer = pq.ParquetWriter(self._tmp / TOKENS, self._tok_schema)
+        # dictionary encoding for the run name only: on the log-probs it never pays and doubles the writing time
+        self._tok_writer = pq.ParquetWriter(self._tmp / TOKENS, self._tok_schema, use_dictionary=["run"])
         self._seq_writer = pq.ParquetWriter(self._tmp / SEQUENCES, self._seq_schema)
         self._buf = {"tok": [], "seq": []}
         self._buffered = {"tok": 0, "seq": 0}
@@ -179,6 +183,8 @@ class NeutralLogWriter:
             (self._tmp / META).write_text(json.dumps(self.meta, indent=2) + "\n")
             self._tmp.chmod(0o755)
             check_log_target(self.path)
+            from lab.runs import replace_dir  # imports pandas: not on the reading path
+
             replace_dir(self._tmp, self.path)
         except BaseException:
             self.abort()
@@ -392,7 +398,7 @@ class RolloutLog:
         check_schema(self._open(self.sequences_file).schema_arrow, SEQUENCE_COLUMNS, self.sequences_file)
         self.n_token_rows = self._tok.metadata.num_rows
         self.logp_columns = [c for c in LOGP_COLUMNS if self.meta["logp"][c] is not None]
-        self._seq = None
+        self._seq = self._seq_arrays = None
 
     @staticmethod
     def _open(file: Path, buffer_size: int = 0) -> pq.ParquetFile:
@@ -402,29 +408,44 @@ class RolloutLog:
             raise LabError(f"{file}: not a readable parquet file ({str(e).splitlines()[0]})") from None
 
     def sequences(self) -> pd.DataFrame:
-        """The sequences table, validated: required values present, keys unique, lengths >= 0."""
-        if self._seq is not None:
-            return self._seq
+        """The sequences table (pandas), validated as ``sequence_arrays``."""
+        if self._seq is None:
+            self.sequence_arrays()  # the checks
+            df = self._open(self.sequences_file).read().to_pandas()
+            df["run"] = df["run"].astype(str)
+            self._seq = df
+        return self._seq
+
+    def sequence_arrays(self) -> dict:
+        """The sequences table as {column: numpy array} (``run`` as str objects, a nullable integer or float column
+        as float64 with NaN for null), validated: required values present, keys unique, lengths >= 0."""
+        if self._seq_arrays is not None:
+            return self._seq_arrays
         f = self.sequences_file
         table = self._open(f).read()
-        for name, (_, required) in SEQUENCE_COLUMNS.items():
+        out = {}
+        for name in table.column_names:
             col = table.column(name)
-            if required and col.null_count:
+            if SEQUENCE_COLUMNS.get(name, (None, False))[1] and col.null_count:
                 row = int(np.flatnonzero(col.is_null().to_numpy(zero_copy_only=False))[0])
                 raise LabError(f"{f}: row {row}: column {name!r} is null; it is required")
-        df = table.to_pandas()
-        df["run"] = df["run"].astype(str)
-        if (df["response_length"] < 0).any():
-            row = int(np.flatnonzero(df["response_length"].to_numpy() < 0)[0])
+            if pa.types.is_dictionary(col.type) or pa.types.is_string(col.type) or pa.types.is_large_string(col.type):
+                out[name] = _strings(col)
+                continue
+            if pa.types.is_integer(col.type) and col.null_count:
+                col = col.cast(pa.float64())  # as pandas reads it: NaN for null
+            out[name] = _array(col.combine_chunks())
+        out["run"] = out["run"].astype(str).astype(object)
+        if (out["response_length"] < 0).any():
+            row = int(np.flatnonzero(out["response_length"] < 0)[0])
             raise LabError(f"{f}: row {row}: response_length is negative")
-        dup = df.duplicated(list(KEY))
+        dup = _duplicated(out["run"], out["step"], out["sample_id"])
         if dup.any():
-            row = int(np.flatnonzero(dup.to_numpy())[0])
-            r = df.iloc[row]
-            raise LabError(f"{f}: row {row}: sequence (run {r['run']!r}, step {r['step']}, sample_id {r['sample_id']}) "
-                           f"appears twice; (run, step, sample_id) must be unique")
-        self._seq = df
-        return df
+            row = int(np.flatnonzero(dup)[0])
+            raise LabError(f"{f}: row {row}: sequence (run {out['run'][row]!r}, step {out['step'][row]}, sample_id "
+                           f"{out['sample_id'][row]}) appears twice; (run, step, sample_id) must be unique")
+        self._seq_arrays = out
+        return out
 
     def _batches(self, columns, chunk_rows: int):
         """Record batches of at most ``chunk_rows`` rows, decoded page by page from a stream read in READ_BUFFER
@@ -438,12 +459,17 @@ class RolloutLog:
             finally:
                 pf.close()
 
-    def iter_tokens(self, columns, chunk_rows: int = 1 << 20) -> Iterator[tuple[int, dict]]:
+    def iter_tokens(self, columns, chunk_rows: int = 1 << 20, prefetch: bool = True) -> Iterator[tuple[int, dict]]:
         """Yield (first row number, {column: numpy array}) chunks; ``run`` comes as integer codes (``run``) into the
         chunk's list of run names (``run_values``); an optional column that is null on every row of the chunk comes
         as None, a log-prob column as NaN; ``kept_token_ids`` comes as (offsets [n + 1], ids, recorded [n]) arrays
-        (row i's set is ids[offsets[i]:offsets[i + 1]]). Required columns are checked for nulls."""
-        columns = list(dict.fromkeys(columns))
+        (row i's set is ids[offsets[i]:offsets[i + 1]]). Required columns are checked for nulls. With ``prefetch``
+        the next chunk is read and decoded on a second thread while the caller works on this one (pyarrow and
+        numpy release the GIL): reading overlaps the caller's work, at the cost of one more chunk in memory."""
+        chunks = self._chunks(list(dict.fromkeys(columns)), chunk_rows)
+        return _prefetched(chunks) if prefetch else chunks
+
+    def _chunks(self, columns: list, chunk_rows: int) -> Iterator[tuple[int, dict]]:
         offset = 0
         try:
             for batch in self._batches(columns, int(chunk_rows)):
@@ -463,7 +489,7 @@ class RolloutLog:
                 raise LabError(f"{self.tokens_file}: row {row}: column {name!r} is null; it is required")
             if name == "run":
                 if pa.types.is_dictionary(col.type):
-                    out["run"] = col.indices.to_numpy(zero_copy_only=False)
+                    out["run"] = _array(col.indices)
                     out["run_values"] = [str(v) for v in col.dictionary.to_pylist()]
                 else:
                     values, codes = np.unique(col.to_numpy(zero_copy_only=False).astype(str), return_inverse=True)
@@ -473,8 +499,92 @@ class RolloutLog:
             elif name == "kept_token_ids":
                 out[name] = _list_parts(col)
             else:
-                out[name] = col.to_numpy(zero_copy_only=False)
+                out[name] = _array(col)
         return out
+
+
+def _array(a: pa.Array) -> np.ndarray:
+    """A numpy array of an arrow array: a read-only view of the values buffer for a number or bool column without
+    nulls (pyarrow's to_numpy would import pandas, a third of a second), else pyarrow's to_numpy (NaN for null)."""
+    t = a.type
+    if a.null_count or not (pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_boolean(t)):
+        return a.to_numpy(zero_copy_only=False)
+    n, off, buf = len(a), a.offset, a.buffers()[1]
+    if buf is None:
+        return np.zeros(n, bool if pa.types.is_boolean(t) else "f8")
+    if pa.types.is_boolean(t):
+        bits = np.frombuffer(buf, np.uint8)
+        return np.unpackbits(bits, count=off + n, bitorder="little")[off:].view(bool)
+    kind = "f" if pa.types.is_floating(t) else "i" if pa.types.is_signed_integer(t) else "u"
+    return np.frombuffer(buf, np.dtype(f"{kind}{t.bit_width // 8}"), count=off + n)[off:]
+
+
+def _strings(col) -> np.ndarray:
+    """A (dictionary-encoded) string column as an object array of str, None where null (pyarrow's own to_numpy
+    goes through pandas for strings)."""
+    d = col.combine_chunks()
+    if pa.types.is_dictionary(d.type) and not d.null_count:
+        return np.array(d.dictionary.to_pylist(), dtype=object)[_array(d.indices).astype(np.intp)]
+    out = np.empty(len(d), dtype=object)
+    out[:] = d.to_pylist()
+    return out
+
+
+def _duplicated(*keys) -> np.ndarray:
+    """True on each row whose key (the ``keys`` arrays together) appeared on an earlier row (pandas' duplicated)."""
+    n = len(keys[0])
+    codes = [np.unique(k, return_inverse=True)[1].reshape(-1).astype(np.int64) for k in keys]
+    order = np.lexsort(codes[::-1])  # stable: equal keys stay in row order
+    same = np.ones(max(n - 1, 0), bool)
+    for c in codes:
+        cs = c[order]
+        same &= cs[1:] == cs[:-1]
+    out = np.zeros(n, bool)
+    out[order[1:][same]] = True
+    return out
+
+
+def _prefetched(items: Iterator, depth: int = 1) -> Iterator:
+    """The items of ``items``, produced on a background thread at most ``depth`` ahead of the consumer; an
+    exception raised while producing is raised here, in order; closing this generator stops the thread."""
+    q: queue.Queue = queue.Queue(maxsize=depth)
+    stop = threading.Event()
+    end = object()
+
+    def produce():
+        try:
+            for item in items:
+                while not stop.is_set():
+                    try:
+                        q.put((item, None), timeout=0.1)
+                        break
+                    except queue.Full:
+                        continue
+                if stop.is_set():
+                    return
+            q.put((end, None))
+        except BaseException as e:  # handed to the consumer
+            q.put((end, e))
+        finally:
+            items.close()
+
+    thread = threading.Thread(target=produce, name="lab-diagnose-read", daemon=True)
+    thread.start()
+    try:
+        while True:
+            item, error = q.get()
+            if error is not None:
+                raise error
+            if item is end:
+                return
+            yield item
+    finally:
+        stop.set()
+        while thread.is_alive():  # let a blocked put finish
+            try:
+                q.get_nowait()
+            except queue.Empty:
+                thread.join(0.05)
 
 
 def _list_parts(col: pa.Array) -> tuple:

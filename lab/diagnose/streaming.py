@@ -16,8 +16,8 @@ the work on tokens is numpy on whole arrays: per-sequence sums are np.add.reduce
 one sequence), per-step moments and lag buckets add those run sums, so the tokens are summed once; the corrections'
 effects are computed on the tokens whose coefficient differs from their weight. Measured in
 benchmarks/bench_diagnose.py: the whole command against a bare pyarrow read of the same columns, and its peak
-memory, the same for logs of 10M and 20M tokens and for one 20M-row group. Torch work (the corrections'
-coefficients) runs on one thread: on elementwise chunk work more threads add contention.
+memory, the same for logs of 10M and 20M tokens and for one 20M-row group. The pass imports no torch (the
+corrections' coefficients are numpy, lab.diagnose.coefficients).
 
 Bad input stops with one LabError naming the file and row: an unknown (run, step, sample_id), a sequence whose
 token rows do not match its ``response_length``, or missing/NaN log-probs on loss-masked tokens. With
@@ -26,11 +26,11 @@ statistics leave out its whole sequence), and the counts are reported in the sum
 """
 from __future__ import annotations
 
-from contextlib import contextmanager
+import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
-import pandas as pd
 
 from lab.diagnose import dashboards, histogram as H, truncation
 from lab.diagnose.corrections import CORRECTIONS, LOG_W_BOUND, resolve, token_effect
@@ -71,12 +71,17 @@ class Diagnostics:
 class _SeqIndex:
     """Vectorised (run, step, sample_id) -> row of the sequences table."""
 
-    def __init__(self, seq: pd.DataFrame):
-        self.runs = {r: i for i, r in enumerate(pd.unique(seq["run"]))}
-        rc = seq["run"].map(self.runs).to_numpy(np.int64)
-        self.steps = np.unique(seq["step"].to_numpy(np.int64))
-        self.sids = np.unique(seq["sample_id"].to_numpy(np.int64))
-        key = self._key(rc, seq["step"].to_numpy(np.int64), seq["sample_id"].to_numpy(np.int64))
+    def __init__(self, seq: dict):
+        names, first, inverse = np.unique(seq["run"].astype(str), return_index=True, return_inverse=True)
+        rank = np.argsort(first, kind="stable")  # run codes in order of first appearance
+        self.runs = {str(names[j]): i for i, j in enumerate(rank)}
+        code = np.empty(len(names), np.int64)
+        code[rank] = np.arange(len(names))
+        self.rc = code[inverse.reshape(-1)]
+        step, sid = np.asarray(seq["step"], np.int64), np.asarray(seq["sample_id"], np.int64)
+        self.steps = np.unique(step)
+        self.sids = np.unique(sid)
+        key = self._key(self.rc, step, sid)
         self.order = np.argsort(key, kind="stable")
         self.sorted = key[self.order]
 
@@ -106,6 +111,7 @@ class _Chunk:
         self.unique = len(np.unique(run_seq)) == len(run_seq)
         self.s_lo, self.s_hi = int(run_step.min()), int(run_step.max())
         self._seq_idx = None
+        self.step_spans_cached = None
 
     def red(self, x: np.ndarray) -> np.ndarray:
         """Per-run sums of a per-token array (float64)."""
@@ -152,25 +158,31 @@ class _Pass:
 
     def __init__(self, log: RolloutLog, nan: str, pair: str, hyper: dict | None, names, chunk_rows: int):
         self.log, self.nan, self.chunk_rows = log, nan, int(chunk_rows)
-        self.seq = log.sequences()
+        self.seq = log.sequence_arrays()
         self.index = _SeqIndex(self.seq)
-        n = len(self.seq)
+        self.n_seq = n = len(self.seq["step"])
         cols = log.logp_columns
         self.pairs = pairs_of(cols)
         if not self.pairs:
             raise LabError(f"{log.path}: no pair of log-prob columns to compare (has {', '.join(cols)})")
         self.corrections = resolve(self.pairs, names, pair, hyper)
-        # steps: (run, step) groups in order of first appearance in the sequences table
-        grouped = self.seq.groupby(["run", "step"], sort=False)
-        self.seq_step = grouped.ngroup().to_numpy(np.int64)
-        self.step_groups = self.seq[["run", "step"]].drop_duplicates().reset_index(drop=True)
-        S = len(self.step_groups)
+        # steps: (run, step) groups numbered in order of first appearance in the sequences table
+        step = np.asarray(self.seq["step"], np.int64)
+        _, first, inverse = np.unique(self.index.rc * (len(self.index.steps) + 1) + np.searchsorted(self.index.steps,
+                                                                                                     step),
+                                      return_index=True, return_inverse=True)
+        rank = np.argsort(first, kind="stable")
+        group = np.empty(len(first), np.int64)
+        group[rank] = np.arange(len(first))
+        self.seq_step = group[inverse.reshape(-1)]
+        self.step_groups = {"run": self.seq["run"][first[rank]], "step": step[first[rank]]}
+        S = len(first)
         self.S = S
         f64 = lambda *shape: np.zeros(shape, np.float64)  # noqa: E731
         self.n_rows, self.n_masked, self.n_valid = f64(n), f64(n), f64(n)
         self.n_bad_seq = f64(n)
         self.pos_sum = f64(n)
-        self.resp_len = self.seq["response_length"].to_numpy(np.int64)
+        self.resp_len = np.asarray(self.seq["response_length"], np.int64)
         self.a_abs, self.a_sum = f64(n), f64(n)
         self.L = {p: f64(n) for p in self.pairs}
         self.S_abs = {p: f64(n) for p in self.pairs}
@@ -185,14 +197,15 @@ class _Pass:
                                   "seq_added": f64(n)} for c in self.corrections if c.level == "token"}
         self.bad = {c: 0 for c in cols}
         self.first_bad = None  # (row, column, sequence row, position, what)
-        self.seq_adv = self.seq["advantage"].to_numpy(np.float64)
-        self.seq_tv = self.seq["trainer_version"].to_numpy(np.float64)
-        vmin, vmax = self.seq["version_min"].to_numpy(np.float64), self.seq["version_max"].to_numpy(np.float64)
+        self.seq_adv = np.asarray(self.seq["advantage"], np.float64)
+        self.seq_tv = np.asarray(self.seq["trainer_version"], np.float64)
+        vmin, vmax = np.asarray(self.seq["version_min"], np.float64), np.asarray(self.seq["version_max"], np.float64)
         self.seq_ver = np.where(vmin == vmax, vmin, np.nan)  # a token's version when its row has none
         self.adv_source = set()
         self.dash = dashboards.Accumulator(n, S) if "mismatch" in self.pairs else None
         self.dtype = np.float32 if log.meta["logp_dtype"] == "float32" else np.float64
         self.ref = "sampler_logp" if "sampler_logp" in cols else "old_logp"
+        self.pool = None  # a thread pool for the pairs' sums (see _diagnose)
         p_edges = P_EDGES[1:-1]  # p_bin = number of inner edges <= p (searchsorted's bins, as comparisons)
         self._inner_edges = p_edges
         self._low_bin = int(np.searchsorted(p_edges, LOW_P, side="right"))  # p < LOW_P <=> p_bin < this
@@ -223,21 +236,28 @@ class _Pass:
         adv, a_w = self._advantages(c, k)
         pb, low = self._probability_bins(c, k)
         lag_run, lag_tok = self._lag_buckets(c, k)
-        w_pairs, deltas = {}, {}
+        w_pairs, deltas, ratios = {}, {}, {}
+        ds = {p: self._delta(c, p, k) for p in self.pairs}
+        k.step_spans_cached = k.step_spans()
+        if self.pool is not None:  # each pair's sums are its own: the pairs run side by side (numpy frees the GIL)
+            futures = {p: self.pool.submit(self._add_pair, p, ds[p], k, pb, low, lag_run, lag_tok) for p in ds}
+            max_abs_of = {p: f.result() for p, f in futures.items()}
+        else:
+            max_abs_of = {p: self._add_pair(p, ds[p], k, pb, low, lag_run, lag_tok) for p in ds}
         for p in self.pairs:
-            d = self._delta(c, p, k)
-            self._add_pair(p, d, k, pb, low, lag_run, lag_tok)
-            if p in self.trunc.pairs:
-                deltas[p] = d
-                self.pbin[p]["ratio"] += np.bincount(pb, weights=truncation.ratio(d, valid),
-                                                     minlength=len(P_EDGES) - 1)
-            if p == "mismatch" or any(corr.pair == p and corr.level == "token" for corr in self.corrections):
+            d, max_abs = ds[p], max_abs_of[p]
+            if p == "mismatch" or p in self.trunc.pairs or any(corr.pair == p and corr.level == "token"
+                                                                for corr in self.corrections):
                 with np.errstate(over="ignore"):
                     w_pairs[p] = np.exp(np.clip(d, -LOG_W_BOUND, LOG_W_BOUND))
+            if p in self.trunc.pairs:  # e^delta clipped at +-50: the same numbers as w where |delta| <= 20
+                deltas[p] = d
+                ratios[p] = truncation.ratio(d, valid, w_pairs[p] if max_abs <= LOG_W_BOUND else None)
+                self.pbin[p]["ratio"] += np.bincount(pb, weights=ratios[p], minlength=len(P_EDGES) - 1)
             if p == "mismatch":
                 self.dash.add(d, w_pairs[p], c["old_logp"], c["sampler_logp"], k)
         self._add_token_corrections(w_pairs, adv, a_w, k)
-        self.trunc.add(offset, c, k, deltas, valid, pos)
+        self.trunc.add(offset, c, k, deltas, valid, pos, ratios)
 
     def _locate_runs(self, offset: int, c: dict) -> _Chunk | None:
         """The chunk's runs (None for an empty chunk); LabError for a (run, step, sample_id) not in the sequences
@@ -306,7 +326,7 @@ class _Pass:
 
     def _where(self, row: int, si: int, pos: int) -> str:
         """Where a token is: its dump's origin and position, else the tokens file's row."""
-        r = self.seq.iloc[si]
+        r = self._seq_row(si)
         if _has_origin(r):
             return f"{r['origin']}: token {pos} of step {r['step']}"
         return f"{self.log.tokens_file}: row {row}: step {r['step']}, sample_id {r['sample_id']}"
@@ -389,9 +409,9 @@ class _Pass:
             d[k.invalid] = 0.0
         return d
 
-    def _add_pair(self, p: str, d: np.ndarray, k: _Chunk, pb, low, lag_run, lag_tok) -> None:
+    def _add_pair(self, p: str, d: np.ndarray, k: _Chunk, pb, low, lag_run, lag_tok) -> float:
         """Add pair ``p``'s delta to the per-sequence sums (L, sum |delta|, sum |delta| on low-p tokens), the
-        per-step moments and histogram, the probability bins and the lag buckets."""
+        per-step moments and histogram, the probability bins and the lag buckets; returns the chunk's max |delta|."""
         ad = np.abs(d)
         L, S_abs = k.red(d), k.red(ad)
         k.add(self.L[p], L)
@@ -403,7 +423,8 @@ class _Pass:
         m = self.mom[p]
         for key, per_run in (("n", k.n_val), ("sum", L), ("abs", S_abs), ("sum2", k.red(d2)), ("k3", k.red(k3))):
             k.per_step(m[key], per_run)
-        np.maximum.at(m["max"], k.run_step, np.maximum.reduceat(ad, k.starts))
+        run_max = np.maximum.reduceat(ad, k.starts)
+        np.maximum.at(m["max"], k.run_step, run_max)
         self._add_histogram(self.hist[p], d, k)
         q = self.pbin[p]
         q["sum"] += np.bincount(pb, weights=d, minlength=len(q["sum"]))
@@ -419,13 +440,14 @@ class _Pass:
             g["n"] += np.bincount(b, weights=v, minlength=nb)
             g["abs"] += np.bincount(b, weights=ad[rows], minlength=nb)
             g["sum"] += np.bincount(b, weights=d[rows], minlength=nb)
+        return float(run_max.max())
 
     @staticmethod
     def _add_histogram(hist: np.ndarray, d: np.ndarray, k: _Chunk) -> None:
         """Histogram of the valid tokens' delta per step (rows that are not valid have delta 0: they are taken
         back out of the central bin)."""
         b = H.bin_index(d)
-        for s, lo, hi in k.step_spans():
+        for s, lo, hi in k.step_spans_cached:
             hist[s] += np.bincount(b[lo:hi], minlength=H.NBINS)
         if k.invalid is not None:
             width = k.s_hi - k.s_lo + 1
@@ -464,13 +486,17 @@ class _Pass:
                                 ("seq_removed", per_run(removed)), ("seq_added", per_run(added))):
                 k.add(acc[key], values)
 
+    def _seq_row(self, i: int) -> dict:
+        """Row ``i`` of the sequences table."""
+        return {k: v[i] for k, v in self.seq.items()}
+
     # ------------------------------------------------------------------------------------------------ checks
     def finish_checks(self) -> None:
-        want = self.seq["response_length"].to_numpy(np.float64)
+        want = self.resp_len.astype(np.float64)
         off = np.flatnonzero(self.n_rows != want)
         if off.size:
             i = int(off[0])
-            r = self.seq.iloc[i]
+            r = self._seq_row(i)
             origin = f" (from {r['origin']})" if _has_origin(r) else ""
             raise LabError(f"{self.log.sequences_file}: row {i}: response_length is {int(want[i])} but "
                            f"{self.log.tokens_file.name} has {int(self.n_rows[i])} rows for (run {r['run']!r}, step "
@@ -479,7 +505,7 @@ class _Pass:
         off = np.flatnonzero(self.pos_sum != n_len * (n_len - 1) / 2)
         if off.size:
             i = int(off[0])
-            r = self.seq.iloc[i]
+            r = self._seq_row(i)
             raise LabError(f"{self.log.sequences_file}: row {i}: the token positions of (run {r['run']!r}, step "
                            f"{r['step']}, sample_id {r['sample_id']}) are not 0..{int(n_len[i]) - 1}, each once")
         total_bad = sum(self.bad.values())
@@ -491,7 +517,7 @@ class _Pass:
                            f"such tokens in {n_seq} sequences ({counts}); fix the log or pass "
                            f"--nan drop to exclude them (counted in the report)")
         if not self.n_valid.sum():
-            what = (f"{len(self.seq)} sequences, none with a loss-masked token" if len(self.seq)
+            what = (f"{self.n_seq} sequences, none with a loss-masked token" if self.n_seq
                     else "no sequences")
             dropped = f" ({total_bad} dropped by --nan drop)" if total_bad else ""
             raise LabError(f"{self.log.path}: nothing to diagnose: {what}{dropped}; the log needs loss-masked tokens "
@@ -517,8 +543,7 @@ def diagnose(log, *, nan: str = "error", pair: str = "natural", hyper: dict | No
     """Stream ``log`` (a RolloutLog or a path) once and compute every diagnostic. See the module docstring."""
     check_options(nan, pair, chunk_rows)
     log = log if isinstance(log, RolloutLog) else RolloutLog(log)
-    with _torch_threads(1):  # elementwise work on chunks: more threads add contention, not speed
-        return _diagnose(log, nan, pair, hyper, corrections, chunk_rows, progress, seed)
+    return _diagnose(log, nan, pair, hyper, corrections, chunk_rows, progress, seed)
 
 
 def check_options(nan: str = "error", pair: str = "natural", chunk_rows: int = 1) -> None:
@@ -531,30 +556,23 @@ def check_options(nan: str = "error", pair: str = "natural", chunk_rows: int = 1
         raise LabError(f"chunk_rows must be a whole number from 1 to {CHUNK_ROWS_MAX:,}, got {chunk_rows!r}")
 
 
-@contextmanager
-def _torch_threads(n: int):
-    import torch
-
-    old = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(old)
-
-
 def _diagnose(log, nan, pair, hyper, corrections, chunk_rows, progress, seed) -> Diagnostics:
     st = _Pass(log, nan, pair, hyper, corrections, chunk_rows)
     cols = ["run", "step", "sample_id", "position", "loss_mask", "advantage", "version", *log.logp_columns]
     if log.has_kept_sets:
         cols += ["token_id", "kept_token_ids"]
     bar = progress_bar(log.n_token_rows, "diagnose", enabled=progress, unit="tok", unit_scale=True)
+    if len(st.pairs) > 1 and (os.cpu_count() or 1) > 1:
+        st.pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="lab-diagnose-pair")
     try:
         for offset, chunk in log.iter_tokens(cols, chunk_rows):
             st.chunk(offset, chunk)
             bar.update(len(chunk["step"]))
     finally:
         bar.close()
+        if st.pool is not None:
+            st.pool.shutdown()
+            st.pool = None
     st.finish_checks()
     from lab.diagnose.tables import build  # tables and verdict from the accumulated state
     return build(st, seed=seed)

@@ -6,12 +6,15 @@ exact one), max-weight share, PSIS Pareto k-hat (Vehtari et al. 2024; > 0.7: unr
 the *dominant share* (the smallest fraction of the step's sequences that holds half of its total weight W),
 k3 = mean over tokens of e^delta - 1 - delta (Schulman 2020), and the token log-ratio's moments and quantiles.
 These are lab.diagnostics' functions, the ones the training simulator logs.
+
+The tables are pandas DataFrames built on first access (``LazyTables``): the summary and the verdict need none,
+so ``lab diagnose`` without ``--out`` never imports pandas.
 """
 from __future__ import annotations
 
+from collections.abc import MutableMapping
+
 import numpy as np
-import pandas as pd
-import torch
 
 from lab import diagnostics as wd
 from lab.diagnose import dashboards, histogram as H, truncation
@@ -19,6 +22,45 @@ from lab.diagnose.corrections import sequence_weight
 from lab.diagnose.streaming import KHAT_WARN, LOW_P, MAX_LAG, P_EDGES, PAIR_TEXT, QS, Diagnostics
 from lab.diagnose.fits import median_interval, ols, ratio_intervals
 from lab.diagnose.verdict import verdict
+
+
+class LazyTables(MutableMapping):
+    """{name: DataFrame} whose entries may be given as ``Pending(fn)``: fn() is called (once) on first access."""
+
+    def __init__(self):
+        self._d = {}
+
+    def __getitem__(self, key):
+        v = self._d[key]
+        if isinstance(v, Pending):
+            v = self._d[key] = v.fn()
+        return v
+
+    def __setitem__(self, key, value):
+        self._d[key] = value
+
+    def __delitem__(self, key):
+        del self._d[key]
+
+    def __iter__(self):
+        return iter(self._d)
+
+    def __len__(self):
+        return len(self._d)
+
+
+class Pending:
+    def __init__(self, fn):
+        self.fn = fn
+
+
+def frame(rows) -> Pending:
+    """A DataFrame of ``rows`` (a list of dicts), built when first read."""
+    def make():
+        import pandas as pd
+
+        return pd.DataFrame(rows)
+    return Pending(make)
 
 
 def dominant_share(L: np.ndarray) -> float:
@@ -36,7 +78,7 @@ def sequence_stats(L: np.ndarray) -> dict:
     if L.size == 0:
         return dict.fromkeys(("ess_frac", "chi2_seq_sampled", "max_weight_share", "khat", "dominant_share", "logw_mean",
                               "logw_sd", "w_median", "w_mean"), np.nan)
-    t = torch.from_numpy(np.array(L, dtype=np.float64))
+    t = np.array(L, dtype=np.float64)
     with np.errstate(over="ignore"):
         w_mean = float(np.mean(np.exp(np.minimum(L, 700.0))))
     return {"ess_frac": float(wd.kish_ess_fraction(t)), "chi2_seq_sampled": float(wd.chi2(t)),
@@ -63,11 +105,11 @@ def _token_stats(n, s, s2, a, k3, mx, hist) -> dict:
 
 def _sequence_correction(st, c, usable: np.ndarray) -> dict:
     """Per-sequence weights of a sequence-level correction (zeros outside ``usable``) and its shares."""
-    n_all = len(st.seq)
+    n_all = st.n_seq
     ids = np.flatnonzero(usable)
     n = st.n_valid[ids]
     W = sequence_weight(c, st.L[c.pair][ids], n)
-    a_seq = st.seq["advantage"].to_numpy(np.float64)[ids]
+    a_seq = np.asarray(st.seq["advantage"], np.float64)[ids]
     a_seq = np.where(np.isfinite(a_seq), a_seq, st.a_sum[ids])
     coef = c.coefficient(W, np.where(a_seq >= 0, 1.0, -1.0))
     weight = st.a_abs[ids]
@@ -93,20 +135,21 @@ def build(st, seed: int = 0) -> Diagnostics:
     usable = (st.n_bad_seq == 0) & (st.n_valid > 0)
     seq_corr = {c.name: _sequence_correction(st, c, usable) for c in st.corrections if c.level != "token"}
     ci = _intervals(st, seq_corr, seed)
-    tables, summary = {}, {}
+    tables, summary = LazyTables(), {}
     tables["per_step"], tables["overall"], summary["overall"] = _step_tables(st, usable, ci, seed)
     tables["by_probability"], summary["low_prob"] = _probability_table(st, ci)
     tables["by_length"], tables["growth"], summary["growth"] = _length_tables(st, usable)
     tables["staleness"], summary["staleness"] = _staleness_table(st, usable)
     tables["corrections"], summary["corrections"] = _corrections_table(st, seq_corr, ci)
     tables["truncation"], summary["truncation"] = _truncation(st, ci)
-    tables["histograms"] = _histogram_table(st)
-    tables["dashboards"] = dashboards.table(st)
+    hist, groups, pairs = st.hist, st.step_groups, st.pairs
+    tables["histograms"] = Pending(lambda: _histogram_table(hist, groups, pairs))
+    tables["dashboards"] = Pending(lambda: dashboards.table(st))
     summary.update(_run_summary(st))
     summary["verdict"] = verdict(summary)
     summary["headline"] = summary["verdict"][0] if summary["verdict"] else ""
     summary["truncation"] = summary.pop("truncation")  # last: added after the summary's first release
-    tables["results"] = tidy(tables)
+    tables["results"] = Pending(lambda: tidy(tables))
     return Diagnostics(meta=st.log.meta, summary=summary, tables=tables)
 
 
@@ -130,7 +173,7 @@ def _truncation(st, ci: dict):
     """(truncation table, truncation summary or None): the mean trainer/sampler token ratio and the share of tokens
     with ratio below 1, on all tokens and on those with a recorded kept set (lab.diagnose.truncation)."""
     rows = truncation.rows(st.trunc, st.n_valid, ci, st.log.meta["sampling"])
-    return pd.DataFrame(rows), truncation.summary(st.trunc, rows, st.log.meta["sampling"])
+    return frame(rows), truncation.summary(st.trunc, rows, st.log.meta["sampling"])
 
 
 # ------------------------------------------------------------------------------------------------ per step, overall
@@ -144,7 +187,7 @@ def _step_tables(st, usable: np.ndarray, ci: dict, seed: int):
         steps_p = _per_step_rows(st, p, usable, order, bounds)
         per_step.extend(steps_p)
         overall[p] = _overall_row(st, p, usable, steps_p, ci, seed)
-    return pd.DataFrame(per_step), pd.DataFrame(list(overall.values())), overall
+    return frame(per_step), frame(list(overall.values())), overall
 
 
 def _per_step_rows(st, p: str, usable: np.ndarray, order: np.ndarray, bounds: np.ndarray) -> list[dict]:
@@ -190,7 +233,7 @@ def _probability_table(st, ci: dict):
     for p in st.pairs:
         rows.extend(_probability_rows(st.pbin[p], p))
         low[p] = _low_prob(st.pbin[p], ci[f"low/{p}"])
-    return pd.DataFrame(rows), low
+    return frame(rows), low
 
 
 def _probability_rows(q: dict, p: str) -> list[dict]:
@@ -235,7 +278,7 @@ def _length_tables(st, usable: np.ndarray):
         L = st.L[p][usable]
         rows.extend(_length_rows(L, n_len, edges, p))
         growth[p] = _growth(L, n_len)
-    return pd.DataFrame(rows), pd.DataFrame([{"pair": p, **g} for p, g in growth.items()]), growth
+    return frame(rows), frame([{"pair": p, **g} for p, g in growth.items()]), growth
 
 
 def _length_rows(L: np.ndarray, n_len: np.ndarray, edges: np.ndarray, p: str) -> list[dict]:
@@ -271,12 +314,12 @@ def _staleness_table(st, usable: np.ndarray):
     """(staleness table, staleness summary or None): lag = trainer_version - version_min per sequence (from the
     sequences table), token counts and mean |delta| per lag from the pass."""
     seq = st.seq
-    tv = seq["trainer_version"].to_numpy(np.float64)
-    lag_max = tv - seq["version_min"].to_numpy(np.float64)
-    lag_min = tv - seq["version_max"].to_numpy(np.float64)
+    tv = np.asarray(seq["trainer_version"], np.float64)
+    lag_max = tv - np.asarray(seq["version_min"], np.float64)
+    lag_min = tv - np.asarray(seq["version_max"], np.float64)
     known = np.isfinite(lag_max)
     if not known.any():
-        return pd.DataFrame([]), None
+        return frame([]), None
     lags = lag_max[known].astype(np.int64)
     rows = [_staleness_row(st, usable, lag_max, known, lag) for lag in np.unique(lags)]
     stale = lag_max[known]
@@ -285,7 +328,7 @@ def _staleness_table(st, usable: np.ndarray):
                "negative_lags": int((stale < 0).sum()),
                "spanning_versions": int((lag_max[known] != lag_min[known]).sum()),
                "pair": "total" if "total" in st.pairs else st.pairs[0]}
-    return pd.DataFrame(rows), summary
+    return frame(rows), summary
 
 
 def _staleness_row(st, usable: np.ndarray, lag_max: np.ndarray, known: np.ndarray, lag) -> dict:
@@ -317,7 +360,7 @@ def _corrections_table(st, seq_corr: dict, ci: dict):
                "added": add[0], "added_lo": add[1], "added_hi": add[2]}
         rows.append(row)
         corr_sum[c.name] = {k: v for k, v in row.items() if k != "name"}
-    return pd.DataFrame(rows), corr_sum
+    return frame(rows), corr_sum
 
 
 def _correction_shares(st, c, seq_corr: dict) -> tuple:
@@ -335,14 +378,16 @@ def _correction_shares(st, c, seq_corr: dict) -> tuple:
 
 
 # ------------------------------------------------------------------------------------------------ histograms, facts
-def _histogram_table(st) -> pd.DataFrame:
+def _histogram_table(hist: dict, step_groups: dict, pairs: list):
     """Non-empty histogram bins per pair, overall (run and step null) and per step."""
+    import pandas as pd
+
     lo, hi = H.bin_edges()
-    runs = st.step_groups["run"].to_numpy(object)
-    steps = st.step_groups["step"].to_numpy(np.int64)
+    runs = np.asarray(step_groups["run"], object)
+    steps = np.asarray(step_groups["step"], np.int64)
     parts = []
-    for p in st.pairs:
-        counts = np.concatenate([st.hist[p].sum(0, keepdims=True), st.hist[p]])  # row 0: overall, row s + 1: step s
+    for p in pairs:
+        counts = np.concatenate([hist[p].sum(0, keepdims=True), hist[p]])  # row 0: overall, row s + 1: step s
         row, nz = np.nonzero(counts)
         per_step = row > 0
         step = pd.array(np.where(per_step, steps[row - 1], 0), dtype="Int64")
@@ -356,13 +401,13 @@ def _histogram_table(st) -> pd.DataFrame:
 def _run_summary(st) -> dict:
     """The log's facts for the summary: source, log-prob meaning, sampling, pairs, counts, advantage sources, NaN
     handling and whether sampling was truncated (top_p < 1 or top_k > 0)."""
-    seq, meta = st.seq, st.log.meta
+    meta = st.log.meta
     bad = {k: int(v) for k, v in st.bad.items()}
     return {
         "study": "diagnose", "source": meta["source"], "logp": meta["logp"], "sampling": meta["sampling"],
         "pairs": st.pairs, "pair_text": {p: PAIR_TEXT[p] for p in st.pairs},
         "n_token_rows": int(st.n_rows.sum()), "n_loss_tokens": int(st.n_masked.sum()),
-        "n_tokens_used": int(st.n_valid.sum()), "n_sequences": int(len(seq)), "n_steps": int(st.S),
+        "n_tokens_used": int(st.n_valid.sum()), "n_sequences": int(st.n_seq), "n_steps": int(st.S),
         "advantages": sorted(st.adv_source) or ["none"],
         "nan": {"mode": st.nan, "tokens": bad, "sequences": int((st.n_bad_seq > 0).sum())},
         "truncated_sampling": bool((meta["sampling"]["top_p"] or 1) < 1 or (meta["sampling"]["top_k"] or 0) > 0),
@@ -382,9 +427,11 @@ TIDY_COLUMNS = ["section", "pair", "run", "step", "name", "lag", "p_lo", "p_hi",
                 "lo", "hi"]
 
 
-def tidy(tables: dict) -> pd.DataFrame:
+def tidy(tables: dict):
     """One long table of every number: section, its keys (pair, run, step, name, lag, p or length bin), metric,
     value and the 95 % interval (lo, hi) where the report computes one; per section, metric by metric."""
+    import pandas as pd
+
     bounds = {c for pair in INTERVALS.values() for c in pair}
     key_cols = TIDY_COLUMNS[1:-4]
     cols = {c: [] for c in TIDY_COLUMNS}
@@ -416,7 +463,7 @@ def tidy(tables: dict) -> pd.DataFrame:
     return out
 
 
-def _floats(df: pd.DataFrame, columns: list) -> np.ndarray:
+def _floats(df, columns: list) -> np.ndarray:
     """The columns (None: all NaN) one after the other, as float64."""
     return np.concatenate([np.full(len(df), np.nan) if c is None else
                            df[c].to_numpy(dtype=float, na_value=np.nan) for c in columns])

@@ -39,9 +39,12 @@ LOG_BOUND = 50.0
 SUBSETS = ("all", "kept_sets")
 
 
-def ratio(d: np.ndarray, valid: np.ndarray) -> np.ndarray:
-    """e^delta on valid tokens (delta clipped to +-LOG_BOUND), 0 elsewhere."""
-    return np.where(valid, np.exp(np.clip(d, -LOG_BOUND, LOG_BOUND)), 0.0)
+def ratio(d: np.ndarray, valid: np.ndarray, e: np.ndarray | None = None) -> np.ndarray:
+    """e^delta on valid tokens (delta clipped to +-LOG_BOUND), 0 elsewhere; ``e``: e^delta already computed (the
+    caller's, when every |delta| is within its own clip)."""
+    if e is None:
+        e = np.exp(np.clip(d, -LOG_BOUND, LOG_BOUND))
+    return np.where(valid, e, 0.0)
 
 
 def pairs_with_sampler(pairs) -> list[str]:
@@ -64,12 +67,13 @@ class Accumulator:
         self.sizes = np.zeros(3)  # tokens with a set, sum of set sizes, singletons
         self.single = {c: 0.0 for c in logp_columns}  # sums of each log-prob column on singleton sets
 
-    def add(self, offset: int, c: dict, k, deltas: dict, valid: np.ndarray, pos) -> None:
-        """Add one chunk: ``deltas`` per pair (0 on rows that are not valid tokens), ``valid`` the valid tokens."""
+    def add(self, offset: int, c: dict, k, deltas: dict, valid: np.ndarray, pos, ratios: dict | None = None) -> None:
+        """Add one chunk: ``deltas`` per pair (0 on rows that are not valid tokens), ``valid`` the valid tokens;
+        ``ratios``: ratio(delta, valid) per pair, when the caller has them."""
         has = self._kept_sets(offset, c, k, valid, pos) if self.kept else None
         for p in self.pairs:
             d = deltas[p]
-            r = ratio(d, valid)
+            r = ratio(d, valid) if ratios is None else ratios[p]
             below = (d < BELOW) & valid
             k.add(self.ratio[(p, "all")], k.red(r))
             k.add(self.below[(p, "all")], k.red(below))

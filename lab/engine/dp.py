@@ -29,6 +29,10 @@ The quantities computed this way:
   hence kl_seq, kl_token, chi2_seq, chi2_token, logw_var and mean_len as ``lab.engine.exact.divergence`` defines
   them, plus log_m2 = log E_mu[W^2].
 
+- ``expected_estimate``: an estimator's expected batch estimate, for the estimators and advantages these give
+  exactly (``EXACT_ESTIMATORS``, ``EXACT_ADVANTAGES``), the reference ``lab variance --reference dp`` reports its exact
+  bias against.
+
 Each is tested equal to enumeration (``lab.engine.exact``, ``lab.engine.gradients.expected_gradient``) to 1e-10.
 Time O(T P V^2 K), one pass per position.
 Memory: the transition tables [P, T, V, V] of pi and mu and the per-position states [T, P, V, K] (``dp_memory``):
@@ -46,6 +50,8 @@ from lab.policies.protocol import Perturbed, Tempered
 from lab.policies.tabular import MarkovPolicy
 
 DP_REWARDS = ("target", "parity", "dense")
+EXACT_ESTIMATORS = {"token_is": True, "reinforce": False}  # name: weighted by rho_t (token IS) or not (REINFORCE)
+EXACT_ADVANTAGES = ("reward", "rloo", "drgrpo")  # linear in R, with a baseline whose expectation is E_mu[R | x]
 
 
 def is_markov(policy) -> bool:
@@ -60,12 +66,24 @@ def check(env, policy) -> None:
     if not is_markov(policy):
         raise LabError(f"the dynamic-programming reference needs the markov policy (next token given position and "
                        f"previous token), not {type(policy).__name__}; use --policy markov")
+    if not hasattr(env, "_tables"):
+        raise LabError(f"the dynamic-programming reference needs a bandit env (its reward tables), not "
+                       f"{type(env).__name__} {getattr(env, 'name', '')!r}; use --reference exact or mc")
     if getattr(env, "reward", None) not in DP_REWARDS:
         raise LabError(f"the dynamic-programming reference needs a reward accumulated along the response "
                        f"({', '.join(DP_REWARDS)}), not {getattr(env, 'reward', type(env).__name__)!r}")
     if env.vocab_size != policy.vocab_size or env.length != policy.length:
         raise LabError(f"policy sized V={policy.vocab_size}, T={policy.length} for an env with V={env.vocab_size}, "
                        f"T={env.length}")
+
+
+def applies(env, policy) -> bool:
+    """Whether ``check`` passes: the DP gives this env and policy's expectations."""
+    try:
+        check(env, policy)
+    except LabError:
+        return False
+    return True
 
 
 def dp_memory(env, aux: int = 2) -> int:
@@ -290,3 +308,35 @@ def expected_token_gradient(env, policy, theta_pi, mu: tuple, weighted: bool = T
         if baseline:
             coef = coef - value[:, None, None, None] * alpha.sum(-1).permute(1, 0, 2)[..., None]
     return _pullback(policy, theta_pi, env, coef, None if weighted else qm)
+
+
+def expected_estimate(env, policy, theta_pi, mu: tuple, est, advantage: str, group_size: int):
+    """E_mu[estimate] of one batch (flat, float64), or None where the DP does not give it exactly.
+
+    Given for ``EXACT_ESTIMATORS`` (``est``: a ``lab.engine.estimator.Estimator``) with advantages
+    ``EXACT_ADVANTAGES``: a batch estimate averages per-sequence terms A_i sum_t w_t grad log pi(y_t) with a constant
+    weight, c = ``target_scale`` (1 for seq-mean-token-sum, 1 / T for seq-mean-token-sum-norm, and for token-mean and
+    seq-mean-token-mean when every response has length T, i.e. without eos). A = R gives
+    ``expected_token_gradient``; a leave-one-out advantage R_i - mean_{j != i} R_j over independent draws of the same
+    prompt has the expectation of R_i - E_mu[R | x] (``baseline``), Dr. GRPO's R_i - mean_j R_j (G - 1) / G times
+    that. Token IS clamps log rho_t to +-LOG_RATIO_BOUND (as verl does): exact only where no state's log-ratio
+    reaches it (checked on the whole table, so conservatively). Mask replay needs a truncating sampler, which the
+    DP does not cover."""
+    from lab.estimators.aggregation import target_scale
+    from lab.estimators.policy_gradient import LOG_RATIO_BOUND
+
+    if est.name not in EXACT_ESTIMATORS or advantage not in EXACT_ADVANTAGES or est.mask_replay:
+        return None
+    if env.eos and est.loss_agg_mode not in ("seq-mean-token-sum", "seq-mean-token-sum-norm"):
+        return None  # 1 / |y| or 1 / (tokens in the batch) varies with the responses
+    weighted = EXACT_ESTIMATORS[est.name]
+    if weighted:
+        with torch.no_grad():
+            gap = log_transitions(policy, theta_pi, env) - log_transitions(mu[0], mu[1], env)
+        if not bool((gap.abs() < LOG_RATIO_BOUND).all()):
+            return None
+    g = expected_token_gradient(env, policy, theta_pi, mu, weighted, baseline=advantage != "reward")
+    scale = target_scale(est.loss_agg_mode, env.length)
+    if advantage == "drgrpo":
+        scale *= (group_size - 1) / group_size
+    return scale * g.reshape(-1)

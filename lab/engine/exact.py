@@ -1,10 +1,11 @@
 """Exact objectives, gradients and divergences by enumeration (float64), or their Monte Carlo stand-ins.
 
 A ``Problem`` carries what travels together: the environment, the policy and how expectations are taken
-(``reference``: "exact" enumerates every (prompt, response) pair up to ``enum_limit``; "mc" draws ``mc_samples``
-on-policy samples). A ``Support`` is a set of (prompt, response) pairs with weights such that sum_y w(y) f(y) = E[f]:
-every pair with w = p(y|x)/P (exact), or n samples with w = 1/n (Monte Carlo). Every expectation in the lab is a
-weighted sum over a support, so both modes share code.
+(``reference``: "exact" enumerates every (prompt, response) pair up to ``enum_limit``; "dp" computes the same
+expectations by dynamic programming over positions (``lab.engine.dp``: Markov policies, any length; no support);
+"mc" draws ``mc_samples`` on-policy samples). A ``Support`` is a set of (prompt, response) pairs with weights
+such that sum_y w(y) f(y) = E[f]: every pair with w = p(y|x)/P (exact), or n samples with w = 1/n (Monte Carlo).
+Every expectation outside the DP is a weighted sum over a support, so both modes share code.
 
 - J(theta) = E_x E_{y~pi}[R(x, y)]
 - grad J = E_pi[R grad log pi(y)] = sum_y w_pi(y) R(y) grad log pi(y)   (score form, weights detached)
@@ -22,12 +23,14 @@ import torch
 from scipy.special import erfinv
 
 import toy_envs
+from lab.engine import dp
 from lab.errors import LabError
 from lab.policies import Policy, masked, sample, sequence_log_probs, token_log_probs
 
-REFERENCES = ("exact", "mc")
+REFERENCES = ("exact", "dp", "mc")
 NETWORK_CHUNK = 2048  # (prompt, response) pairs per forward / backward pass of a network policy
 LOGITS_BUDGET = 1 << 30  # bytes of logits (and their log-softmax and gradient) in one enumeration pass
+DIVERGENCES = ("kl_seq", "kl_token", "chi2_seq", "chi2_token", "logw_var", "mean_len")  # ``divergence``'s keys
 MC_GROUPS = 32  # batches of a Monte Carlo reference sample behind the standard error of its grad J
 
 
@@ -46,15 +49,17 @@ class Problem:
 
     env: object  # a toy_envs environment
     policy: Policy
-    reference: str = "exact"  # exact (enumeration) | mc (on-policy Monte Carlo sample)
+    reference: str = "exact"  # exact (enumeration) | dp (dynamic programming, Markov) | mc (on-policy sample)
     enum_limit: int = toy_envs.DEFAULT_ENUM_LIMIT
     mc_samples: int = 65536
 
     def check(self) -> None:
         if self.reference not in REFERENCES:
-            raise LabError(f"unknown reference {self.reference!r}; choose exact or mc")
+            raise LabError(f"unknown reference {self.reference!r}; choose {', '.join(REFERENCES)}")
         if self.reference == "exact":
             self.env.check_enumerable(self.enum_limit)
+        elif self.reference == "dp":
+            dp.check(self.env, self.policy)
         elif self.mc_samples < 1:
             raise LabError(f"the Monte Carlo reference needs at least one sample, got mc_samples={self.mc_samples}")
 
@@ -65,7 +70,23 @@ class Problem:
             return exact_support(self.env, policy, theta, self.enum_limit)
         if self.reference == "mc":
             return mc_support(self.env, policy, theta, self.mc_samples, generator)
-        raise LabError(f"unknown reference {self.reference!r}; choose exact or mc")
+        if self.reference == "dp":
+            raise LabError("the dynamic-programming reference has no support of pairs; use Problem.gradient and "
+                           "Problem.divergence")
+        raise LabError(f"unknown reference {self.reference!r}; choose {', '.join(REFERENCES)}")
+
+    def gradient(self, theta, generator: torch.Generator | None = None) -> torch.Tensor:
+        """grad J at ``theta`` (shape of theta, float64): by dynamic programming, or on the problem's support."""
+        if self.reference == "dp":
+            return dp.policy_gradient(self.env, self.policy, theta)
+        return policy_gradient(self.env, self.policy, theta, self.support(theta, generator))
+
+    def divergence(self, pi: tuple, mu: tuple, generator: torch.Generator | None = None) -> dict:
+        """``divergence`` of mu from pi (each a (policy, theta) pair): by dynamic programming, or on mu's support."""
+        if self.reference == "dp":
+            moments = dp.weight_moments(pi, mu, self.env)
+            return {k: moments[k] for k in DIVERGENCES}
+        return divergence(pi, mu, self.support(mu[1], generator, policy=mu[0]))
 
 
 def chunks(policy: Policy, n: int, length: int = 1) -> list[slice]:

@@ -237,10 +237,13 @@ def exact_direction(env, policy, theta_pi, mu: tuple, support_mu, est: Estimator
     if est.info.inputs:
         return None
     g = expected_gradient(env, policy, theta_pi, mu, support_mu, est)
-    if g is None:
-        return None
+    return None if g is None else direction(g, est, grad_j, env.length)
+
+
+def direction(g: torch.Tensor, est: Estimator, grad_j: torch.Tensor, length: int) -> dict:
+    """``exact_direction``'s numbers for a given exact expected gradient ``g`` (flat, before the estimator's scale)."""
     g = g / est.grad_scale
-    target = est.target_scale(env.length) * grad_j.reshape(-1).to(g.device)
+    target = est.target_scale(length) * grad_j.reshape(-1).to(g.device)
     norm = float(target.norm())
     return {"exact_rel_bias": float((g - target).norm()) / norm,
             "exact_cos": float(g @ target) / (float(g.norm()) * norm) if float(g.norm()) > 0 else float("nan"),

@@ -2,8 +2,9 @@
 measured divergence (``lab.engine.exact.divergence``). A behaviour is a (policy, theta) pair.
 
 - lag k:          mu = the snapshot k optimiser steps behind pi on a real optimisation trajectory of the same
-                  policy (Adam on the exact, or Monte Carlo, policy gradient of the env's objective); pi is the
-                  trajectory's last snapshot. Stale rollouts in synchronous mini-batching are this.
+                  policy (Adam on the exact, by enumeration or DP, or Monte Carlo policy gradient of the env's
+                  objective); pi is the trajectory's last snapshot. Stale rollouts in synchronous mini-batching
+                  are this.
 - kl target d:    mu's logits = pi's logits + s z(state) with a fixed noise z ~ N(0, 1) per (state, token)
                   (``Perturbed``); s is found by Brent's method so that the per-token KL(mu||pi) =
                   KL_seq / E_mu[|y|] equals d.
@@ -22,7 +23,7 @@ from dataclasses import dataclass
 import torch
 from scipy.optimize import brentq
 
-from lab.engine.exact import Problem, divergence, policy_gradient
+from lab.engine.exact import Problem
 from lab.errors import LabError
 from lab.policies import Perturbed, Tempered, Truncated
 from lab.policies.truncation import KNOBS as TRUNCATION_KINDS
@@ -63,8 +64,7 @@ def optimisation_trajectory(problem: Problem, theta0, steps: int, lr: float, gen
     opt = torch.optim.Adam([theta], lr=lr)
     snaps = [theta.detach().clone()]
     for _ in range(steps):
-        support = problem.support(theta.detach(), generator)
-        theta.grad = -policy_gradient(problem.env, problem.policy, theta.detach(), support)
+        theta.grad = -problem.gradient(theta.detach(), generator)
         opt.step()
         snaps.append(theta.detach().clone())
     return Trajectory(torch.stack(snaps))
@@ -102,8 +102,7 @@ def kl_target(problem: Problem, theta_pi, target: float, generator: torch.Genera
     def kl_at(scale):
         mu = Perturbed(policy, z, scale)
         generator.set_state(state)
-        support = problem.support(theta_pi, generator, policy=mu)
-        return divergence((policy, theta_pi), (mu, theta_pi), support)["kl_token"]
+        return problem.divergence((policy, theta_pi), (mu, theta_pi), generator)["kl_token"]
 
     lo, hi = 0.0, 1.0
     while kl_at(hi) < target:

@@ -5,9 +5,12 @@ computes group advantages, evaluates every estimator on the same batches (per-re
 replicates) and compares the M estimates with the target c * grad J of pi (c from the estimator's aggregation;
 estimators whose on-policy gradient is a multiple of grad J, as GVPO's beta, are divided by it first). It returns
 tidy rows: sampled weight diagnostics (estimator "-") and, per estimator, the statistics of
-``lab.engine.metrics.gram_metrics``, the estimator's own metrics, and with advantage "reward" on an exact reference
-``exact_bias_norm`` = ||E_mu[g] - g*|| by enumeration. A sampled (Monte Carlo) grad J comes with the trace of its
-covariance, which the statistics remove from ||g*||^2 (``lab.engine.metrics``).
+``lab.engine.metrics.gram_metrics``, the estimator's own metrics, and ``exact_bias_norm`` = ||E_mu[g] - g*|| where
+the mean is known exactly: by enumeration (exact reference, advantage "reward"), or by dynamic programming (dp
+reference: ``lab.engine.dp.expected_estimate``, token IS and REINFORCE with advantages reward, rloo, drgrpo); every
+other estimator's bias is its replicates' mean against the exact g*, with its bootstrap interval. A sampled (Monte
+Carlo) grad J comes with the trace of its covariance, which the statistics remove from ||g*||^2
+(``lab.engine.metrics``).
 
 Estimators' inputs (``estimator_batch``): every estimator sees old_log_prob = mu's log-probs (the sampler's) and
 the group rewards, except that
@@ -32,6 +35,7 @@ import torch
 
 from lab import advantages as adv_mod
 from lab import stats
+from lab.engine import dp
 from lab.engine.batches import draw_batches
 from lab.engine.exact import Problem, Support
 from lab.engine.gradients import GRADIENT_MEMORY_BUDGET, budget_chunk, expected_gradient, stream_gradients
@@ -120,10 +124,13 @@ def measure(problem: Problem, theta_pi, mu: tuple, support_mu: Support | None, e
                                f"statistics against a second target need; use fewer replicates")
             res.update({f"{m}@{tname}": v for m, v in gram_metrics(buffer, (c * target).reshape(-1).float(), counts,
                                                                   sampling.ci).items()})
+        expected = None
         if exact_bias and not est.info.inputs:
             expected = expected_gradient(env, policy, theta_pi, mu, support_mu, est)
-            if expected is not None:
-                res["exact_bias_norm"] = (float((expected / scale - g_star).norm()),) * 3
+        elif problem.reference == "dp":
+            expected = dp.expected_estimate(env, policy, theta_pi, mu, est, sampling.advantage, G)
+        if expected is not None:
+            res["exact_bias_norm"] = (float((expected / scale - g_star).norm()),) * 3
         for metric, values in metrics.items():
             res[metric] = stats.mean_interval(values.double().numpy(), counts, sampling.ci)
         for metric, (v, lo, hi) in res.items():

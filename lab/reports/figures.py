@@ -241,8 +241,10 @@ def divergence(results: pd.DataFrame) -> Figure:
     for ax, level in zip(axes, ("token", "seq")):
         exact = _series(results, f"kl_{level}")
         k1, k3 = _series(results, f"k1_{level}"), _series(results, f"k3_{level}")
-        _line(ax, exact, "exact (enumeration)" if (results["reference"] == "exact").all() else "reference",
-              "#444444", "-s")
+        refs = set(results["reference"])
+        label = {"exact": "exact (enumeration)", "dp": "exact (dynamic programming)"}.get(refs.pop(), "reference") \
+            if len(refs) == 1 else "reference"
+        _line(ax, exact, label, "#444444", "-s")
         _line(ax, k1, "k1 = −log r (sampled)", "#1f77b4", "--o")
         _line(ax, k3, "k3 = r − 1 − log r (sampled)", "#ff7f0e", ":o")
         _log_y(ax, np.concatenate([exact["value"].to_numpy(), k1[["value", "lo", "hi"]].to_numpy().ravel(),

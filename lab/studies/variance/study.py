@@ -5,10 +5,13 @@ measures its exact divergence from pi, and runs the variance engine (``lab.engin
 replicate batches for every estimator. Results: tidy rows keyed by (env, policy, staleness_kind, staleness, seed,
 reference, estimator, metric); divergence rows have estimator "-".
 
-The reference is stated: "exact" (enumeration; every divergence and grad J exact, intervals are points) or "mc"
-(``mc_samples`` on-policy samples): the divergences then carry CLT intervals, grad J its standard error
-(``target_grad_se`` = sqrt(tr Cov), a row per setting and in the summary), and the statistics against it remove
-that error from ||g*||^2 (``lab.engine.metrics``).
+The reference is stated: "exact" (enumeration; every divergence and grad J exact, intervals are points), "dp" (the
+same exact numbers by dynamic programming over positions, ``lab.engine.dp``: a Markov policy on a bandit with a
+reward accumulated along the response, at any length; exact bias for token IS and REINFORCE, and every other
+estimator's bias from its replicates against the exact grad J) or "mc" (``mc_samples`` on-policy samples): the
+divergences then carry CLT intervals, grad J its standard error (``target_grad_se`` = sqrt(tr Cov), a row per
+setting and in the summary), and the statistics against it remove that error from ||g*||^2
+(``lab.engine.metrics``). "auto", the default, is exact where the enumeration fits, else dp where it applies.
 """
 from __future__ import annotations
 
@@ -27,8 +30,9 @@ from lab.advantages import ADVANTAGES
 from lab.configs import SEED_MAX, check_types, check_unique
 from lab.estimators.aggregation import AGG_MODES
 from lab.engine.estimator import Estimator
+from lab.engine import dp
 from lab.engine.exact import REFERENCES, Problem, divergence_intervals, reference_gradient
-from lab.engine.gradients import budget_chunk, exact_direction
+from lab.engine.gradients import budget_chunk, direction, exact_direction
 from lab.engine.metrics import streamed_memory
 from lab.engine.staleness import KINDS, behaviour, check_value, optimisation_trajectory, truncate
 from lab.engine.variance import PROVIDED_INPUTS, Sampling, measure
@@ -94,8 +98,10 @@ class Config:
     """M independent batches per setting"""
     loss_agg_mode: Literal[(*AGG_MODES, "native")] = knob("seq-mean-token-sum", flag="--agg")
     """loss aggregation mode, or native (each estimator's own)"""
-    reference: Literal[REFERENCES] = "exact"
-    """exact (enumeration) | mc (Monte Carlo reference for large spaces)"""
+    reference: Literal[("auto", *REFERENCES)] = "auto"
+    """auto (exact where the enumeration fits, else dp where it applies) | exact (enumeration) | dp (dynamic
+    programming: the markov policy on a target, parity or dense bandit, any length) | mc (Monte Carlo reference for
+    large spaces)"""
     mc_samples: int = knob(65536, ge=2, le=100_000_000)
     """samples behind each Monte Carlo expectation"""
     enum_limit: int = knob(toy_envs.DEFAULT_ENUM_LIMIT, ge=1, le=2**31)
@@ -107,8 +113,8 @@ class Config:
     lr: float = knob(0.05, gt=0, le=1e3)
     """Adam learning rate of that trajectory"""
     exact_directions: bool = False
-    """also the exact expected gradient of each estimator with advantage R (by enumeration): relative bias,
-    cosine and size against grad J (exact reference only)"""
+    """also the exact expected gradient of each estimator with advantage R (by enumeration; with the dp reference,
+    token IS and REINFORCE by dynamic programming): relative bias, cosine and size against grad J (not with mc)"""
     n_boot: int = knob(1000, ge=10, le=1_000_000)
     """bootstrap resamples"""
     ci: float = knob(0.95, gt=0, lt=1)
@@ -128,8 +134,25 @@ class Config:
 
     def problem(self) -> Problem:
         env = self.make_env()
-        return Problem(env, make_policy(self.policy, env, self.model, trainable=self.params, device=self.device),
-                       self.reference, self.enum_limit, self.mc_samples)
+        policy = make_policy(self.policy, env, self.model, trainable=self.params, device=self.device)
+        return Problem(env, policy, self.reference_for(env, policy), self.enum_limit, self.mc_samples)
+
+    def reference_for(self, env, policy) -> str:
+        """The reference this study runs: ``reference``, or for "auto" exact where the enumeration fits (pairs
+        within ``enum_limit``, logits within ENUM_LOGITS_LIMIT), else dp where it applies (``lab.engine.dp.check``:
+        a Markov policy, no truncating sampler), else exact, which then refuses in one line."""
+        if self.reference != "auto":
+            return self.reference
+        fits = (env.num_pairs <= self.enum_limit
+                and env.num_pairs * env.length * env.vocab_size <= ENUM_LOGITS_LIMIT)
+        if not fits and not self._truncating(policy.vocab_size) and dp.applies(env, policy):
+            return "dp"
+        return "exact"
+
+    def _truncating(self, vocab_size: int) -> bool:
+        """Whether the sampler truncates (a truncation staleness kind, or top-p / top-k / min-p on top)."""
+        return (self.staleness in ("top_p", "top_k", "min_p") or self.top_p != 1 or self.min_p != 0
+                or (self.top_k is not None and self.top_k < vocab_size))
 
     def sampling(self) -> Sampling:
         return Sampling(self.replicates, self.batch_size, self.group_size, self.advantage, self.ci, self.n_boot,
@@ -182,11 +205,14 @@ class Config:
         if self.batch_size % self.group_size:
             raise LabError(f"batch size {self.batch_size} must be a multiple of the group size {self.group_size}")
         problem.check()
+        if problem.reference == "dp" and self._truncating(V):
+            raise LabError("the dynamic-programming reference does not cover a truncating sampler (top-p, top-k, "
+                           "min-p); use --reference exact or mc")
         if self.warm_start:
             check_cache_dir()  # before the warm start is trained
         if self.warm_start and self.policy not in ("transformer", "prefix"):
             raise LabError("warm_start applies to the transformer policy (or a prefix-tree copy of its distribution)")
-        if self.warm_start and self.reference != "exact" and self.policy == "prefix":
+        if self.warm_start and problem.reference != "exact" and self.policy == "prefix":
             raise LabError("a prefix-tree policy copies the warm start's distribution by enumeration: use --reference "
                            "exact")
         check_device(self.device)
@@ -198,7 +224,7 @@ class Config:
         (float32, 4 M D bytes) at once; a network's are streamed, one chunk of c replicates at a time (8 c D bytes
         as float64); both build the M x M Gram (8 M^2). Each must fit the memory budget."""
         env, policy = problem.env, problem.policy
-        if self.reference == "exact":  # every pass over the enumeration computes pairs x T x V logits (in chunks)
+        if problem.reference == "exact":  # every pass over the enumeration computes pairs x T x V logits (chunked)
             cells = env.num_pairs * env.length * env.vocab_size
             if cells > ENUM_LOGITS_LIMIT:
                 raise LabError(f"the exact reference computes {env.num_pairs:,} pairs x {env.length} positions x "
@@ -207,7 +233,10 @@ class Config:
         batch = self.replicates * self.batch_size * env.length * (8 + 3 * 4)  # tokens, mask, log-probs, advantages
         if policy.gradient_backend == "rows":
             batch += self.replicates * self.batch_size * env.length * env.vocab_size * 4 * 2  # gathered logits, grads
-        if self.reference == "mc":  # the reference sample, drawn with every position's logits at once
+        if problem.reference == "dp" and dp.dp_memory(env) > BATCH_MEMORY_BUDGET:
+            raise LabError(f"the dynamic program at T = {env.length} needs {dp.dp_memory(env) / 2**30:.1f} GiB "
+                           f"(budget {BATCH_MEMORY_BUDGET / 2**30:.0f} GiB); use a shorter length or fewer prompts")
+        if problem.reference == "mc":  # the reference sample, drawn with every position's logits at once
             ref = self.mc_samples * env.length * (env.vocab_size + 4) * 8
             if ref > BATCH_MEMORY_BUDGET:
                 raise LabError(f"a Monte Carlo reference of {self.mc_samples:,} samples needs about "
@@ -296,8 +325,8 @@ class Summary:
     parameters: int  # D, the policy's parameter count
     response_length: int
     staleness: str  # the staleness kind
-    reference: str  # exact | mc
-    reference_pairs: int
+    reference: str  # exact | dp | mc (auto resolved)
+    reference_pairs: int  # pairs enumerated or sampled (0: dynamic programming, which needs none)
     target_grad_norm: float
     target_grad_se: float  # the Monte Carlo reference's standard error (nan: exact)
     loss_agg_modes: dict[str, str]
@@ -330,41 +359,57 @@ def run(cfg: Config, progress: bool | None = None) -> StudyResult:
     theta0 = cfg.initial(problem, torch_gen, progress).to(cfg.device)
     traj = optimisation_trajectory(problem, theta0, cfg.trajectory_steps, cfg.lr, torch_gen)
     theta_pi = traj.current
-    support_pi = problem.support(theta_pi, generator(cfg.seed, 1))
-    grad_j, grad_j_var = reference_gradient(env, problem.policy, theta_pi, support_pi)
+    by_dp = problem.reference == "dp"
+    if by_dp:  # exact, no support: grad J and J by dynamic programming
+        support_pi, objective = None, dp.objective(env, problem.policy, theta_pi)
+        grad_j, grad_j_var = dp.policy_gradient(env, problem.policy, theta_pi), 0.0
+    else:
+        support_pi = problem.support(theta_pi, generator(cfg.seed, 1))
+        grad_j, grad_j_var = reference_gradient(env, problem.policy, theta_pi, support_pi)
+        objective = float((support_pi.weights * env.expected_reward(support_pi.prompts, support_pi.tokens,
+                                                                    support_pi.mask)).sum())
     grad_j = grad_j.reshape(-1)
     if not (torch.isfinite(grad_j).all() and grad_j.norm() > 0):
         what = "zero" if torch.isfinite(grad_j).all() else "not finite"
-        if cfg.reference == "mc" and torch.isfinite(grad_j).all():  # every sample scored the same reward
+        if problem.reference == "mc" and torch.isfinite(grad_j).all():  # every sample scored the same reward
             raise LabError(f"the Monte Carlo estimate of grad J from {cfg.mc_samples:,} samples is zero (every sample "
                            f"scored the same reward), so errors relative to it are undefined; raise --mc-samples")
         raise LabError(f"the target gradient of pi is {what} (pi is deterministic or degenerate after the "
                        f"trajectory), so errors relative to it are undefined; lower --init-scale or --lr")
     sampling = cfg.sampling()
     grad_j_se = math.sqrt(grad_j_var) if grad_j_var == grad_j_var else float("nan")
-    key = dict(env=env.name, policy=cfg.policy, staleness_kind=cfg.staleness, seed=cfg.seed, reference=cfg.reference)
+    key = dict(env=env.name, policy=cfg.policy, staleness_kind=cfg.staleness, seed=cfg.seed,
+               reference=problem.reference)
     rows, per_value = [], []
     bars = bar(len(cfg.values) * len(ests), "variance", progress)
     for i, value in enumerate(cfg.values):
         gen = generator(cfg.seed, 2, i)
         mu = truncate(behaviour(problem, cfg.staleness, float(value), traj, gen), cfg.top_p, cfg.top_k, cfg.min_p)
-        support_mu = problem.support(mu[1], gen, policy=mu[0])
-        div_ci = divergence_intervals((problem.policy, theta_pi), mu, support_mu, cfg.ci)
+        if by_dp:  # exact: the intervals are points
+            support_mu = None
+            div_ci = {m: (v,) * 3 for m, v in problem.divergence((problem.policy, theta_pi), mu).items()}
+        else:
+            support_mu = problem.support(mu[1], gen, policy=mu[0])
+            div_ci = divergence_intervals((problem.policy, theta_pi), mu, support_mu, cfg.ci)
         div = {m: v for m, (v, _, _) in div_ci.items()}
         setting = {**key, "staleness": float(value)}
         rows += [{**setting, "estimator": "-", "metric": m, "value": float(v), "lo": float(lo), "hi": float(hi)}
                  for m, (v, lo, hi) in div_ci.items()]
-        if cfg.reference == "mc":
+        if problem.reference == "mc":
             rows.append({**setting, "estimator": "-", "metric": "target_grad_se", "value": grad_j_se,
                          "lo": grad_j_se, "hi": grad_j_se})
         measured, points, intervals = measure(problem, theta_pi, mu, support_mu, ests, grad_j, sampling, gen,
                                               np.random.default_rng(derive_seed(cfg.seed, 3, i)),
                                               on_estimator=lambda: bars.update(1), grad_j_var=grad_j_var)
         rows += [{**setting, **r} for r in measured]
-        if cfg.exact_directions and problem.reference == "exact":
+        if cfg.exact_directions and problem.reference != "mc":
             for est in ests:
-                for m, v in (exact_direction(env, problem.policy, theta_pi, mu, support_mu, est, grad_j)
-                             or {}).items():
+                if by_dp:
+                    g = dp.expected_estimate(env, problem.policy, theta_pi, mu, est, "reward", cfg.group_size)
+                    found = None if g is None else direction(g, est, grad_j, env.length)
+                else:
+                    found = exact_direction(env, problem.policy, theta_pi, mu, support_mu, est, grad_j)
+                for m, v in (found or {}).items():
                     rows.append({**setting, "estimator": est.name, "metric": m, "value": v, "lo": v, "hi": v})
                     points[est.name][m] = v
         diag = {r["metric"]: [r["value"], r["lo"], r["hi"]] for r in measured if r["estimator"] == "-"}
@@ -374,11 +419,10 @@ def run(cfg: Config, progress: bool | None = None) -> StudyResult:
     bars.close()
     summary = Summary(
         study="variance", env=env.name, policy=cfg.policy, parameters=int(np.prod(problem.policy.shape)),
-        response_length=env.length, staleness=cfg.staleness, reference=cfg.reference,
-        reference_pairs=int(support_pi.prompts.shape[0]), target_grad_norm=float(grad_j.norm()),
+        response_length=env.length, staleness=cfg.staleness, reference=problem.reference,
+        reference_pairs=0 if by_dp else int(support_pi.prompts.shape[0]), target_grad_norm=float(grad_j.norm()),
         target_grad_se=grad_j_se, loss_agg_modes={e.name: e.loss_agg_mode for e in ests},
-        objective=float((support_pi.weights * env.expected_reward(support_pi.prompts, support_pi.tokens,
-                                                                    support_pi.mask)).sum()),
+        objective=objective,
         best_by_mse={str(e["staleness"]): best_by_mse(e["estimators"]) for e in per_value},
         per_value=[Setting(**e) for e in per_value],
         config={k: getattr(cfg, k) for k in ("batch_size", "group_size", "advantage", "loss_agg_mode", "replicates",
