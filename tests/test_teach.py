@@ -246,6 +246,7 @@ def test_variance_formula_against_enumeration():
         assert m["helps"][d] == (min(0, 2 * m["b_star"][d]) < m["value"][d] < max(0, 2 * m["b_star"][d]))
 
 
+@pytest.mark.slow
 def test_sampled_with_the_labs_estimators_matches_the_formula():
     log_p, log_q = vopd_baseline.random_pairs(4, 1, seed=5)
     m = {k: float(v[0]) for k, v in vopd_baseline.state_moments(log_p, log_q).items()}
@@ -499,6 +500,7 @@ LIVE = [("weight_explosion_ui", {"kl": 0.1, "length": 64, "vocab": 8, "batch": 6
 
 
 @pytest.mark.parametrize("builder,changes", LIVE, ids=[b.values[0] if hasattr(b, "marks") else b[0] for b in LIVE])
+@pytest.mark.slow
 def test_live_controls_redraw(builder, changes):
     """Every control redraws the picture and the numbers (how fast: benchmarks/bench_lessons.py)."""
     from lab.teach import live
@@ -528,6 +530,7 @@ def test_live_controls_carry_a_static_snapshot():
 
 # ---- colours ------------------------------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_estimator_series_take_the_labs_colours():
     """An estimator has one colour everywhere: the notebooks' figures, the live controls and the static pages use
     lab.reports.style.color, whatever the position of the estimator in a figure."""

@@ -51,6 +51,7 @@ def _close(a, b, path="") -> list[str]:
     return [] if ok.all() else [f"{path}: js {x[~ok][:3]} py {y[~ok][:3]}"]
 
 
+@pytest.mark.slow
 def test_pages_are_self_contained(built):
     for page in pages_mod.pages():
         text = (built / f"{page.slug}.html").read_text(encoding="utf-8")

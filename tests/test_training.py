@@ -45,6 +45,7 @@ def test_estimators():
 
 
 # ------------------------------------------------------------------------------------------ the identity
+@pytest.mark.slow
 def test_n1_on_policy_every_ratio_estimator_trains_exactly_like_reinforce():
     # N = 1, sync, no mismatch: pi = pi_old = mu at each update, delta_t = 0 exactly, rho = W = 1, and each estimator's
     # gradient is REINFORCE's -A grad log pi (PPO clip inactive at rho = 1, phi(1) = 1, min(1, C) = 1, ...).
@@ -63,6 +64,7 @@ def test_n1_on_policy_every_ratio_estimator_trains_exactly_like_reinforce():
     assert float((a.params - b.params).abs().max()) > 1e-3
 
 
+@pytest.mark.slow
 def test_training_improves_expected_reward_on_tiny_target():
     run = train(TrainConfig(env="tiny_target", steps=30, seed=0), progress=False)
     s = run.summary
@@ -75,6 +77,7 @@ def test_training_improves_expected_reward_on_tiny_target():
 
 
 # ------------------------------------------------------------------------------------------ staleness
+@pytest.mark.slow
 def test_minibatch_staleness_shows_up_in_the_version_lag():
     run = train(TrainConfig(**dict(FAST, steps=2), minibatches=4, epochs=2), progress=False)
     t = run.table
@@ -95,6 +98,7 @@ def rollouts(run):
     return pd.DataFrame(run.summary["rollouts"])
 
 
+@pytest.mark.slow
 def test_async_lag_respects_eta_with_drop_and_requeue_and_exceeds_it_with_keep():
     common = dict(FAST, steps=10, regime="async", lag_dist="uniform", lag_max=4, eta=1)
     drop = rollouts(train(TrainConfig(**common, over_stale="drop"), progress=False))
@@ -119,6 +123,7 @@ def test_async_lag_respects_eta_with_drop_and_requeue_and_exceeds_it_with_keep()
     assert 0.35 < share < 0.85
 
 
+@pytest.mark.slow
 def test_async_with_zero_lag_is_the_sync_run():
     sync = train(TrainConfig(**FAST), progress=False)
     asyn = train(TrainConfig(**FAST, regime="async", lag_dist="constant", lag_max=0, eta=0), progress=False)
@@ -126,6 +131,7 @@ def test_async_with_zero_lag_is_the_sync_run():
     pd.testing.assert_frame_equal(sync.table[cols], asyn.table[cols])
 
 
+@pytest.mark.slow
 def test_async_stale_groups_carry_their_versions_log_probs():
     # old_log_prob is the generating version's (two-policy): stale groups show mu != pi at the first mini-batch
     run = train(TrainConfig(**dict(FAST, steps=8), regime="async", lag_dist="constant", lag_max=2, eta=2),
@@ -136,6 +142,7 @@ def test_async_stale_groups_carry_their_versions_log_probs():
 
 
 # ------------------------------------------------------------------------------------------ mismatch
+@pytest.mark.slow
 def test_mismatch_records_behaviour_log_probs_different_from_pi_old(test_estimators):
     neutral = train(TrainConfig(**FAST, regime="mismatch"), progress=False)
     assert (neutral.table["mismatch_abs_logprob"] < 1e-5).all()  # no perturbation: mu = pi_old up to rounding
@@ -148,6 +155,7 @@ def test_mismatch_records_behaviour_log_probs_different_from_pi_old(test_estimat
     assert abs(flips - 0.25 * n) < 5 * math.sqrt(n * 0.25 * 0.75)
 
 
+@pytest.mark.slow
 def test_mismatch_passes_rollout_log_probs_to_estimators_that_take_them(test_estimators):
     seen = test_estimators
     train(TrainConfig(**FAST, estimator="_spy", regime="mismatch", logprob_noise=0.2), progress=False)
@@ -181,6 +189,7 @@ def test_collapse_rule_by_hand():
     assert reward_range(toy_envs.make("tiny_target")) == (0.0, 1.0)
 
 
+@pytest.mark.slow
 def test_collapse_fires_on_a_collapsing_run_and_not_on_a_healthy_one(test_estimators):
     healthy = train(TrainConfig(**dict(FAST, steps=20)), progress=False)
     assert healthy.summary["first_collapse_update"] is None and not healthy.table["collapsed"].any()
@@ -229,6 +238,7 @@ def test_drop_that_cannot_fill_a_rollout_is_refused():
 
 
 # ------------------------------------------------------------------------------------------ reproducibility
+@pytest.mark.slow
 def test_same_seed_same_table_other_seed_differs():
     cfg = dict(FAST, steps=4, regime="async", lag_max=3, eta=1, over_stale="requeue", minibatches=2)
     a = train(TrainConfig(**cfg, seed=3), progress=False)

@@ -20,6 +20,7 @@ METRICS = ("ess_frac", "chi2_seq_sampled", "k3_token", "khat", "mismatch_abs_log
                 sampler_temperature=1.2, estimator="tis_token", rollout_batch=32, group_size=8),
     TrainConfig(steps=4, regime="async", lag_max=3, eta=2, over_stale="keep", estimator="ppo_clip", minibatches=2),
 ])
+@pytest.mark.slow
 def test_diagnostics_from_the_log_equal_the_runs_own(tmp_path, cfg):
     result = train(cfg, progress=False, rollout_log=tmp_path / "log")
     table = result.table.set_index("update")
@@ -62,12 +63,14 @@ def assert_same(table: pd.DataFrame, report: pd.DataFrame, mismatch: bool) -> No
                 minibatches=2, lr=3e-2, regime="mismatch", sampler_dtype="bfloat16", sampler_temperature=1.3,
                 estimator="tis_seq"),
 ], ids=["tabular-async", "tabular-mismatch", "transformer-mismatch"])
+@pytest.mark.slow
 def test_the_report_on_a_runs_log_equals_the_runs_own_numbers(tmp_path, cfg):
     result = train(cfg, progress=False, rollout_log=tmp_path / "log")
     report = from_report(diagnose(tmp_path / "log", progress=False).tables["per_step"])
     assert_same(result.table.set_index("update"), report, mismatch=cfg.regime == "mismatch")
 
 
+@pytest.mark.slow
 def test_lab_train_then_lab_diagnose(tmp_path, capsys):
     """The command-line path: `lab train --rollout-log`, then `lab diagnose --out` on its log; an --out that would
     replace the training run (which holds the log) is refused and the run is left as it was."""

@@ -27,6 +27,7 @@ def _same(a, b) -> None:
 
 
 @pytest.mark.parametrize("extra", [{}, dict(regime="mismatch", logprob_noise=0.3, sampler_temperature=1.3)])
+@pytest.mark.slow
 def test_settings_that_cut_nothing_train_bit_identically(extra):
     base = train(TrainConfig(**FAST, **extra), progress=False)
     for knobs in (dict(top_p=1.0), dict(top_k=V), dict(min_p=0.0), dict(top_p=1.0, top_k=V, mask_replay=True)):
@@ -65,6 +66,7 @@ def test_sweeps_accept_the_knobs():
 
 
 @pytest.mark.parametrize("knobs", [dict(top_p=0.8), dict(top_k=2), dict(min_p=0.3)])
+@pytest.mark.slow
 def test_the_logged_sampler_log_probs_are_the_truncated_renormalised_ones(knobs):
     cfg = TrainConfig(**FAST, **knobs)
     cfg.validate()
@@ -83,6 +85,7 @@ def test_the_logged_sampler_log_probs_are_the_truncated_renormalised_ones(knobs)
 
 
 @pytest.mark.parametrize("estimator", ["reinforce", "seq_is", "ppo_clip", "decoupled_ppo"])
+@pytest.mark.slow
 def test_mask_replay_makes_the_on_policy_ratio_one(estimator):
     cfg = dict(FAST, top_p=0.8, estimator=estimator)
     replay = train(TrainConfig(**cfg, mask_replay=True), progress=False)
@@ -161,6 +164,7 @@ def test_transformer_training_truncates_and_replays():
 
 
 @pytest.mark.usefixtures("no_network")
+@pytest.mark.slow
 def test_a_local_hf_model_samples_from_its_kept_sets(tmp_path):
     from transformers import LlamaConfig, LlamaForCausalLM
 

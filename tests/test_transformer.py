@@ -179,6 +179,7 @@ def test_bfloat16_sampler_differs_measurably_and_reproducibly():
     assert (policy.score(th, prompts, tok, dtype=torch.bfloat16) - lp).abs().max() < 0.1
 
 
+@pytest.mark.slow
 def test_generate_samples_the_policy():
     env, policy, theta = _policy()
     th = theta.float()

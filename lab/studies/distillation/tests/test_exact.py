@@ -90,6 +90,7 @@ def test_importance_weighted_opd_holds_the_behaviour_visitation(toy):
 
 
 
+@pytest.mark.slow
 def test_isometric_coordinates_preserve_every_statistic():
     g = torch.Generator().manual_seed(0)
     grads = torch.randn(30, 200, generator=g) + 0.3

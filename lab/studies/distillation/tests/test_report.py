@@ -121,6 +121,7 @@ def study():
     return run(cfg, progress=False)
 
 
+@pytest.mark.slow
 def test_figures_draw_the_study_numbers(study):
     from lab.reports.style import color
 

@@ -108,6 +108,7 @@ def test_the_answer_renders_every_decision_with_its_numbers():
 
 
 @pytest.mark.usefixtures("no_network", "one_thread")
+@pytest.mark.slow
 def test_figures_draw_a_real_smoke_run():
     results, _ = study.run(study.Config(**{**study.SMOKE, "n_boot": 50}), progress=False)
     for draw in (figures.abs_delta_vs_probability, figures.log_weight_vs_length, figures.setting_bars,

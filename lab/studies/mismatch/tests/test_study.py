@@ -31,6 +31,7 @@ pytestmark = pytest.mark.usefixtures("no_network", "one_thread")
     ({"lm_truncation_length": 0}, "lm_truncation_length must be >= 1"),
     ({"lm_truncations": ["top_k=60000"]}, "top_k 60000 exceeds the vocabulary size 49152"),
 ])
+@pytest.mark.slow
 def test_bad_configs_are_one_line_before_any_work(kwargs, match):
     with pytest.raises(LabError, match=match):
         study.Config(**kwargs).validate()
@@ -105,6 +106,7 @@ def test_inlab_models_run_on_the_studys_device(monkeypatch):
         study.Config(device=f"cuda:{torch.cuda.device_count() + 4}").validate()
 
 
+@pytest.mark.slow
 def test_smoke_study_measures_every_model_and_setting_deterministically(tiny_mixtral):
     cfg = study.Config(inlab_sizes=["test", "test_moe"], inlab_init="random", inlab_samples=1, lm=str(tiny_mixtral),
                        lm_prompts=[[1, 2, 3], [4, 5, 6, 7]], lm_length=12, lm_nocache_length=6, n_boot=100)

@@ -101,6 +101,7 @@ def smoke(one_thread_module):
     return rmv.run(rmv.Config(**{**rmv.SMOKE, "n_boot": 100}), progress=False)
 
 
+@pytest.mark.slow
 def test_a_small_run_reads_back_as_its_summary(smoke):
     s = report.summary_of(smoke.summary)
     assert set(s.cells) == {"transformer/T=2", "tabular/T=2"} and s.findings.seq_is_exactly_unbiased.holds

@@ -70,6 +70,7 @@ def test_the_registry_is_covered():
     assert "gvpo" not in ESTIMATORS and len(ESTIMATORS) >= 12
 
 
+@pytest.mark.slow
 def test_every_estimator_is_exact_at_zero_staleness_in_every_mode_on_the_transformer(task_world):
     problem, traj, grad_j = task_world
     assert grad_j.norm() > 1e-4
@@ -80,6 +81,7 @@ def test_every_estimator_is_exact_at_zero_staleness_in_every_mode_on_the_transfo
             assert torch.allclose(e, _target(problem, grad_j, name, agg), atol=1e-10, rtol=1e-8), (agg, name)
 
 
+@pytest.mark.slow
 def test_every_estimator_is_exact_at_zero_staleness_on_the_transformer(task_world):
     problem, traj, grad_j = task_world
     for kind, zero in [("lag", 0), ("kl", 0.0), ("temperature", 1.0)]:
@@ -89,6 +91,7 @@ def test_every_estimator_is_exact_at_zero_staleness_on_the_transformer(task_worl
                                   _target(problem, grad_j, name), atol=1e-10, rtol=1e-8), (kind, name)
 
 
+@pytest.mark.slow
 def test_seq_is_stays_unbiased_at_every_lag_in_every_mode(task_world):
     problem, traj, grad_j = task_world
     for lag in [1, 3, 6]:
@@ -98,6 +101,7 @@ def test_seq_is_stays_unbiased_at_every_lag_in_every_mode(task_world):
                                   _target(problem, grad_j, "seq_is", agg), atol=1e-10, rtol=1e-8), (lag, agg)
 
 
+@pytest.mark.slow
 def test_seq_is_stays_unbiased_at_every_lag_and_token_is_does_not(world):
     problem, traj, grad_j = world
     token_bias = []
@@ -121,6 +125,7 @@ def test_logit_knobs_mean_the_same_on_the_transformer(world):
     assert divergence(pi, mu, exact_support(problem.env, *mu, 10**6))["kl_token"] == pytest.approx(0.1, rel=1e-3)
 
 
+@pytest.mark.slow
 def test_the_table_starts_at_the_transformers_distribution(tmp_path, monkeypatch):
     monkeypatch.setenv("LAB_CACHE_DIR", str(tmp_path))
     cfg = variance.Config(env="sort3", env_overrides={"difficulty": 2, "n_prompts": 3}, policy="prefix",

@@ -10,6 +10,7 @@ def smoke():
     return study.run(study.Config(**study.SMOKE), progress=False)
 
 
+@pytest.mark.slow
 def test_the_smoke_run_answers_with_both_truths(smoke):
     results, summary = smoke
     s = report.summary_of(summary)

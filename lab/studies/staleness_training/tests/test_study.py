@@ -50,6 +50,7 @@ def test_no_paper_comparison_with_fewer_than_two_of_the_papers_n():
 SPEC_GRID = {"estimator": ["reinforce", "ppo_clip"], "minibatches": [1, 4], "seed": [0, 1]}
 
 
+@pytest.mark.slow
 def test_the_study_resumes_from_its_sweep_dir_and_aggregates_the_cells(tmp_path):
     cfg = study.Config(**TINY, steps=20, lr=0.1, estimators=["reinforce", "ppo_clip"], minibatches=[1, 4],
                        seeds=[0, 1], etas=[], noise_levels=[], n_boot=50, sweep_dir=str(tmp_path), workers=2)
@@ -67,6 +68,7 @@ def test_the_study_resumes_from_its_sweep_dir_and_aggregates_the_cells(tmp_path)
         assert summary["table"]["sync"][e][str(n)]["final_reward_iqm"][0] == pytest.approx(want)
 
 
+@pytest.mark.slow
 def test_without_a_sweep_dir_the_study_leaves_no_folder(tmp_path, monkeypatch):
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     cfg = study.Config(**TINY, steps=1, estimators=["reinforce"], baseline=None, minibatches=[], seeds=[0], etas=[0],
@@ -88,6 +90,7 @@ def test_bad_configs_are_refused(fields, words):
         study.Config(**fields).validate()
 
 
+@pytest.mark.slow
 def test_bad_input_on_the_command_line_is_one_line_and_exit_2(tmp_path):
     out = subprocess.run([str(LAB), "study", "staleness_training", "--lr", "0", "--out", str(tmp_path / "run")],
                          capture_output=True, text=True, timeout=120)

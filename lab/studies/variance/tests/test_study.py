@@ -39,6 +39,7 @@ def _expected(env, policy, traj, kind, value, name, agg="seq-mean-token-sum", hy
 @pytest.mark.parametrize("name,policy_kind,agg", [
     ("tiny_target", "prefix", "seq-mean-token-sum"), ("small_dense", "markov", "token-mean"),
     ("small_eos", "markov", "seq-mean-token-sum"), ("small_bernoulli", "markov", "seq-mean-token-sum-norm")])
+@pytest.mark.slow
 def test_every_estimator_is_exact_at_zero_staleness(name, policy_kind, agg):
     env, policy, traj, g_star = _world(name, policy_kind, agg)
     assert g_star.norm() > 1e-4
@@ -50,6 +51,7 @@ def test_every_estimator_is_exact_at_zero_staleness(name, policy_kind, agg):
 
 @pytest.mark.parametrize("name,policy_kind", [("tiny_target", "prefix"), ("small_dense", "markov"),
                                               ("small_eos", "markov")])
+@pytest.mark.slow
 def test_seq_is_is_exactly_unbiased_and_token_corrections_are_not(name, policy_kind):
     env, policy, traj, g_star = _world(name, policy_kind)
     token_bias, clip_bias = [], []
@@ -64,6 +66,7 @@ def test_seq_is_is_exactly_unbiased_and_token_corrections_are_not(name, policy_k
     assert clip_bias[0] > 1e-5 and clip_bias[-1] > clip_bias[0], clip_bias
 
 
+@pytest.mark.slow
 def test_sampled_means_fall_inside_their_intervals_for_seq_is():
     """Sampled seq-IS means (rloo advantages) cover the exact gradient; token IS is caught as biased."""
     cfg = VarianceConfig(env="small_dense", policy="markov", staleness="kl", values=[0.0, 0.05, 0.2],
@@ -79,6 +82,7 @@ def test_sampled_means_fall_inside_their_intervals_for_seq_is():
 
 @pytest.mark.parametrize("name,policy_kind,kind,value", [("tiny_target", "prefix", "lag", 16),
                                                          ("small_dense", "markov", "kl", 0.05)])
+@pytest.mark.slow
 def test_sampled_seq_is_mean_matches_exact_gradient_along_directions(name, policy_kind, kind, value):
     """z-tests of the sampled mean along the exact gradient and 20 random directions (a fixed seed).
 
@@ -132,6 +136,7 @@ def test_vectorised_gradients_equal_the_per_sample_loop(agg):
         assert torch.allclose(fast, slow, atol=1e-6), name
 
 
+@pytest.mark.slow
 def test_same_seed_same_numbers_other_seed_other_numbers():
     cfg = dict(values=[0, 4], replicates=30, n_boot=50)
     a = run_study(VarianceConfig(**cfg, seed=1)).results

@@ -15,6 +15,7 @@ SMALL = dict(env="small_dense", policy="markov", replicates=40, n_boot=200, traj
 NUMBERS = ["estimator", "metric", "value", "lo", "hi"]
 
 
+@pytest.mark.slow
 def test_no_op_truncation_is_bit_identical_to_none():
     base = run(Config(**SMALL, staleness="lag", values=[0, 4])).results
     noop = run(Config(**SMALL, staleness="lag", values=[0, 4], top_p=1.0, top_k=6, min_p=0.0,
@@ -26,6 +27,7 @@ def test_no_op_truncation_is_bit_identical_to_none():
         assert lag0[NUMBERS].reset_index(drop=True).equals(as_kind[NUMBERS].reset_index(drop=True)), kind
 
 
+@pytest.mark.slow
 def test_truncating_sampler_runs_on_top_of_another_kind():
     res = run(Config(**SMALL, staleness="temperature", values=[1.0, 1.5], top_p=0.8)).results
     assert res[res.metric.isin(["rel_mse", "bias_norm", "variance", "kl_token", "ess_frac"])].value.notna().all()
@@ -45,6 +47,7 @@ def test_bad_values_refused_before_work(overrides):
     assert "\n" not in str(err.value)
 
 
+@pytest.mark.slow
 def test_cli_exits_2_with_one_line(tmp_path):
     out = tmp_path / "run"
     proc = subprocess.run([sys.executable, "-m", "lab.cli", "variance", "--env", "small_dense", "--policy", "markov",
