@@ -41,6 +41,8 @@ def _answer(task: str, prompt: str) -> str:
         return str(int(a) + int(b)).zfill(len(a) + 1)
     if task == "sorting":
         return "".join(sorted(body.split(",")))
+    if task == "copy":
+        return body
     digits = [int(c) for c in body.split("+")]
     return "".join(str(sum(digits[:i + 1]) % 10) for i in range(1, len(digits)))
 
@@ -97,6 +99,35 @@ def test_small_presets_enumerate_large_ones_need_monte_carlo():
     large = [n for n in tasks.names() if n not in small]
     assert {"add2", "sort3", "chain3"} <= set(small) and {"add4", "sort6", "chain6"} <= set(large)
     assert all(toy_envs.make(n).length == 3 for n in small)
+
+
+def test_copy_tasks_have_long_answers_with_per_position_credit():
+    x, a = toy_envs.make("copy6").problems(torch.tensor([[3, 1, 4, 1, 5, 9], [0, 0, 0, 0, 0, 7]]))
+    assert TOKENIZER.decode(x) == ["314159=", "000007="] and TOKENIZER.decode(a) == ["314159", "000007"]
+    for name, T in [("copy64", 64), ("copy256", 256), ("copy1024", 1024)]:
+        env = toy_envs.make(name)
+        assert env.length == T and env.prompt_length == T + 1 and env.space == 10**T
+        codes = torch.cat([env.heldout_codes, env.prompt_codes])
+        assert codes.shape == (env.n_heldout + env.n_prompts, T)
+        assert codes.unique(dim=0).shape[0] == codes.shape[0]  # distinct problems, held-out ones apart
+        assert torch.equal(env.answers, env.prompt_tokens[:, :T])
+    dense = toy_envs.make("copy1024_dense")
+    answer = dense.answers[:1]
+    wrong = answer.clone()
+    wrong[0, ::4] = (wrong[0, ::4] + 1) % 10  # a quarter of the positions wrong
+    tokens, prompts, mask = torch.cat([answer, wrong]), torch.zeros(2, dtype=torch.long), torch.ones(2, 1024)
+    assert dense.expected_reward(prompts, tokens, mask).tolist() == [1.0, 0.75]
+    assert toy_envs.make("copy1024").expected_reward(prompts, tokens, mask).tolist() == [1.0, 0.0]
+    held = {tuple(r) for r in toy_envs.make("copy6", n_heldout=500).heldout_codes.tolist()}
+    x, _ = toy_envs.make("copy6", n_heldout=500).sample_problems(2000, torch.Generator().manual_seed(0))
+    assert not held & {tuple(r) for r in x[:, :6].tolist()}  # warm-start data never shows a held-out prompt
+    x, _ = toy_envs.make("copy6", difficulty=2, n_prompts=20, n_heldout=80).sample_problems(
+        300, torch.Generator().manual_seed(0))
+    assert x[:, :2].unique(dim=0).shape[0] == 20  # the 80 held-out problems of 100 are never drawn
+    with pytest.raises(LabError, match="at most 8192"):
+        toy_envs.make("copy6", difficulty=10_000)
+    with pytest.raises(LabError, match="at most 8"):
+        toy_envs.make("chain6", difficulty=64)
 
 
 def test_prompt_splits_are_fixed_disjoint_and_seeded():
