@@ -176,3 +176,53 @@ def test_lab_envs_lists_the_tasks(capsys):
     out = capsys.readouterr().out
     line = next(row for row in out.splitlines() if row.startswith("add2 "))
     assert "32" in line and " 10 " in line and "32,000" in line and "addition" in line
+
+
+@pytest.mark.slow
+def test_long_answers_fit_the_transformer_and_its_memory_budget():
+    """The context grows to P + T - 1 on long tasks; the training memory check counts the attention, quadratic in
+    the context: copy1024 fits 8 GiB with 16 responses a rollout and is refused, one line, with 256."""
+    from lab.engine.training import ROLLOUT_MEMORY_BUDGET, TrainConfig, attention_memory
+    from lab.policies.transformer import SIZES, TransformerPolicy
+
+    assert TransformerPolicy.for_env(toy_envs.make("copy6"), "small").config == SIZES["small"]
+    assert TransformerPolicy.for_env(toy_envs.make("copy64"), "small").config.block_size == 128
+    cfg = SIZES["small"]
+    assert attention_memory(cfg, 2049, 8, 16) == 4 * 2049**2 * 4 * max(3 * 2 * 8, 2 * 16)
+    small = TrainConfig(env="copy1024", policy="transformer", size="small", rollout_batch=16, group_size=4,
+                        minibatches=2, steps=1)
+    small.validate()
+    assert attention_memory(cfg, 2049, 8, 16) < small.rollout_memory() < ROLLOUT_MEMORY_BUDGET
+    with pytest.raises(LabError, match=r"needs about 100\.\d GiB .*attention"):
+        TrainConfig(env="copy1024", policy="transformer", size="small", rollout_batch=256, group_size=4).validate()
+
+
+@pytest.mark.slow
+def test_warm_starts_of_long_tasks_go_in_micro_batches_or_are_refused():
+    from lab import pretrain
+    from lab.policies.transformer import TransformerPolicy, env_config, size_config
+
+    assert pretrain.micro_batch(toy_envs.make("copy6"), size_config("small")) == pretrain.BATCH
+    env = toy_envs.make("copy1024")
+    micro = pretrain.micro_batch(env, env_config(env, "small"))
+    assert 1 <= micro < pretrain.BATCH
+    with pytest.raises(LabError, match="one sequence of 'copy6'.*GiB"):
+        pretrain.pretrain(toy_envs.make("copy6", difficulty=8192, n_prompts=2, n_heldout=2), "small")
+    short = toy_envs.make("copy6")
+    policy = TransformerPolicy.for_env(short, "test")
+    theta = policy.init_params(1.0, torch.Generator().manual_seed(0), torch.float32)
+    whole = pretrain.accuracies(policy, theta, short.prompt_tokens, short.answers)
+    parts = pretrain.accuracies(policy, theta, short.prompt_tokens, short.answers, chunk=7)
+    assert parts == pytest.approx(whole, rel=1e-5)
+
+
+@pytest.mark.slow
+def test_a_run_beyond_the_budget_is_one_line_and_exit_2(tmp_path):
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "lab.cli", "train", "--policy", "transformer", "--env", "copy1024",
+                          "--rollout-batch", "256", "--group-size", "4", "--out", str(tmp_path / "run")],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1 and "GiB" in out.stderr
+    assert not (tmp_path / "run").exists()
