@@ -260,6 +260,7 @@ class StalenessDecisions:
     reversed: dict  # length -> ["worse > better"]
     unresolved: dict  # length -> count of paper pairs not separated
     appears: list  # lengths where every paper pair trained here is reproduced and at least one is
+    ordering_n: float | None  # the N at which the paper's orderings are checked (the largest trained)
 
 
 def _setting_order(xs) -> list:
@@ -280,14 +281,15 @@ def decide_staleness(summary: dict | Summary) -> StalenessDecisions | None:
             ranked = sorted(at.items(), key=lambda kv: -kv[1][0])
             apart = len(ranked) > 1 and ranked[0][1][1] > ranked[-1][1][2]
             orders[study].append(LengthOrder(int(T), ranked, apart))
-    reproduced, reversed_, unresolved, appears = {}, {}, {}, []
+    reproduced, reversed_, unresolved, appears, n = {}, {}, {}, [], None
     for T, rows in t.orderings.items():
+        n = rows[0].n if rows else n
         reproduced[int(T)] = [f"{r.better} > {r.worse}" for r in rows if r.verdict == "reproduced"]
         reversed_[int(T)] = [f"{r.worse} > {r.better}" for r in rows if r.verdict == "reversed"]
         unresolved[int(T)] = sum(r.verdict == "not separated" for r in rows)
         if rows and len(reproduced[int(T)]) == len(rows):
             appears.append(int(T))
-    return StalenessDecisions(settings, orders, list(t.flips), reproduced, reversed_, unresolved, sorted(appears))
+    return StalenessDecisions(settings, orders, list(t.flips), reproduced, reversed_, unresolved, sorted(appears), n)
 
 
 def describe_flip(f) -> str:

@@ -221,7 +221,7 @@ class Staleness:
 
     source: str  # the report's own sweeps or a results folder
     env: str  # the task family's preset
-    task: str  # the family in words
+    task: str  # the task kind (copy, chain, ...)
     size: str
     lengths: list[int]
     estimators: list[str]
@@ -246,7 +246,7 @@ def section(source: str, sweeps: dict, table: pd.DataFrame, baseline: str | None
     lengths = sorted(int(t) for t in runs["length"].unique())
     first = runs.drop_duplicates("length").set_index("length")
     families = {int(t): toy_envs.make(env_name, **_overrides(first.loc[t])) for t in lengths}
-    out = {"source": source, "env": env_name, "task": families[lengths[0]].description.split(",")[0],
+    out = {"source": source, "env": env_name, "task": families[lengths[0]].task,
            "size": size, "lengths": lengths, "estimators": list(dict.fromkeys(runs["estimator"])),
            "seeds": int(runs["seed"].nunique()), "baseline": baseline,
            "parameters": {str(t): parameter_count(env_config(e, size)) for t, e in families.items()},

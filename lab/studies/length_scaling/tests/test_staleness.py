@@ -61,7 +61,7 @@ HAND_MARKOV = {"study": "length_scaling", "env": "long_dense", "policy": "markov
                "config": {"batch_size": 32, "group_size": 8, "advantage": "rloo",
                           "loss_agg_mode": "seq-mean-token-sum", "replicates": 100, "trajectory_steps": 8}}
 SECTION = {
-    "source": "the sweeps in runs/x", "env": "copy6", "task": "copying 6 digits", "size": "small",
+    "source": "the sweeps in runs/x", "env": "copy6", "task": "copy", "size": "small",
     "lengths": [6, 64], "estimators": ["reinforce", "ppo_clip", "vespo"], "seeds": 3, "baseline": "ppo_clip",
     "parameters": {"6": 27008, "64": 30080}, "initial_heldout_accuracy": {"6": 0.31, "64": 0.29},
     "updates": {"sync": [6, 96]}, "runs": {"sync": 36},
@@ -88,7 +88,7 @@ def test_the_sections_decisions_read_the_summary():
     assert d.reproduced == {6: ["vespo > ppo_clip"], 64: []} and d.unresolved == {6: 0, 64: 1}
     assert d.appears == [6]
     md = report.staleness_answer(_summary(SECTION))
-    for fact in ("copying 6 digits", "T = 64", "vespo 0.60 [0.55, 0.65] above ppo_clip 0.45 [0.40, 0.50] at T = 6",
+    for fact in ("copy task", "checked at N = 16", "T = 64", "vespo 0.60 [0.55, 0.65] above ppo_clip 0.45 [0.40, 0.50] at T = 6",
                  "below it at T = 64", "appears in full at T = 6", "30080 parameters at T = 64", "the sweeps in"):
         assert fact in md, fact
     html = report.staleness_table(_summary(SECTION)).to_html()
