@@ -138,25 +138,25 @@ def test_the_full_tables_specs_are_valid_sweeps_over_length(name):
 
 @pytest.mark.slow
 def test_the_section_runs_small_and_reads_back_its_sweeps(tmp_path):
-    """Two short copy tasks on the test-size transformer, two seeds: the report's own sweeps, then the same numbers
+    """Two short copy tasks (3 and 4 digits) on the test-size transformer, two seeds: the report's own sweeps, then the same numbers
     read back from their folder with ``results``."""
     small = dict(lengths=[8], regimes=["token"], replicates=10, n_boot=50, trajectory_steps=1,
                  estimators=["seq_is", "reinforce"], staleness_estimators=["reinforce", "ppo_clip", "vespo"],
                  staleness_minibatches=[1, 2], staleness_seeds=[0, 1], staleness_size="test", staleness_steps=1,
                  staleness_rollout_batch=16, staleness_lr=1e-3, workers=2)
-    res = study.run(study.Config(**small, staleness_lengths=[2, 3], sweep_dir=str(tmp_path / "sweeps")),
+    res = study.run(study.Config(**small, staleness_lengths=[3, 4], sweep_dir=str(tmp_path / "sweeps")),
                     progress=False)
     t = res.summary["staleness"]
-    assert t["lengths"] == [2, 3] and t["runs"] == {"sync": 24} and t["seeds"] == 2
-    assert set(t["table"]["sync"]) == {"2", "3"} and set(t["table"]["sync"]["3"]) == {"reinforce", "ppo_clip",
+    assert t["lengths"] == [3, 4] and t["runs"] == {"sync": 24} and t["seeds"] == 2
+    assert set(t["table"]["sync"]) == {"3", "4"} and set(t["table"]["sync"]["4"]) == {"reinforce", "ppo_clip",
                                                                                           "vespo"}
-    n1 = {e: c["1"]["final_accuracy_iqm"][0] for e, c in t["table"]["sync"]["2"].items()}
+    n1 = {e: c["1"]["final_accuracy_iqm"][0] for e, c in t["table"]["sync"]["3"].items()}
     assert max(n1.values()) - min(n1.values()) < 1e-9  # N = 1: every estimator is REINFORCE
     tf = res.results[res.results["policy"] == "transformer"]
-    assert set(tf["length"]) == {2, 3} and set(tf["study"]) == {"sync"}
+    assert set(tf["length"]) == {3, 4} and set(tf["study"]) == {"sync"}
     assert staleness.flips(tf) == t["flips"]
     md = report.staleness_answer(res.summary)
-    assert "T = 3" in md and "the report's own sweeps" in md
+    assert "T = 4" in md and "the report's own sweeps" in md
     again = study.run(study.Config(**small, results=str(tmp_path / "sweeps")), progress=False)
     pd.testing.assert_frame_equal(again.results, res.results)
     assert again.summary["staleness"]["source"].startswith("the sweeps in")
