@@ -135,7 +135,7 @@ class Config:
     """staleness table: responses per prompt"""
     staleness_lr: float = knob(5e-4, gt=0, le=1e3)
     """staleness table: Adam learning rate (real_staleness_training's)"""
-    staleness_async_minibatches: int = knob(4, ge=1, le=100_000)
+    staleness_async_n: int = knob(4, ge=1, le=100_000)
     """staleness table, async: N during consumption"""
     staleness_lag_max: int = knob(8, ge=0, le=10_000)
     """staleness table, async: lags drawn uniformly on 0..lag_max"""
@@ -190,7 +190,7 @@ class Config:
                                list(self.staleness_minibatches), list(self.staleness_etas), list(self.staleness_seeds),
                                self.staleness_size, self.staleness_warm_start, self.staleness_steps,
                                self.staleness_rollout_batch, self.staleness_group_size, self.staleness_lr,
-                               self.staleness_async_minibatches, self.staleness_lag_max,
+                               self.staleness_async_n, self.staleness_lag_max,
                                device=self.staleness_device)
 
     def _validate_estimators(self) -> None:
