@@ -88,8 +88,9 @@ def test_the_sections_decisions_read_the_summary():
     assert d.reproduced == {6: ["vespo > ppo_clip"], 64: []} and d.unresolved == {6: 0, 64: 1}
     assert d.appears == [6]
     md = report.staleness_answer(_summary(SECTION))
-    for fact in ("copy task", "checked at N = 16", "T = 64", "vespo 0.60 [0.55, 0.65] above ppo_clip 0.45 [0.40, 0.50] at T = 6",
-                 "below it at T = 64", "appears in full at T = 6", "30080 parameters at T = 64", "the sweeps in"):
+    for fact in ("copy task", "checked at N = 16", "T = 64",
+                 "vespo 0.60 [0.55, 0.65] above ppo_clip 0.45 [0.40, 0.50] at T = 6", "below it at T = 64",
+                 "appears in full at T = 6", "30080 parameters at T = 64", "the sweeps in"):
         assert fact in md, fact
     html = report.staleness_table(_summary(SECTION)).to_html()
     assert "0.44 [0.34, 0.54]" in html and "T=64" in html
@@ -138,8 +139,8 @@ def test_the_full_tables_specs_are_valid_sweeps_over_length(name):
 
 @pytest.mark.slow
 def test_the_section_runs_small_and_reads_back_its_sweeps(tmp_path):
-    """Two short copy tasks (3 and 4 digits) on the test-size transformer, two seeds: the report's own sweeps, then the same numbers
-    read back from their folder with ``results``."""
+    """Two short copy tasks (3 and 4 digits) on the test-size transformer, two seeds: the report's own sweeps, then
+    the same numbers read back from their folder with ``results``."""
     small = dict(lengths=[8], regimes=["token"], replicates=10, n_boot=50, trajectory_steps=1,
                  estimators=["seq_is", "reinforce"], staleness_estimators=["reinforce", "ppo_clip", "vespo"],
                  staleness_minibatches=[1, 2], staleness_seeds=[0, 1], staleness_size="test", staleness_steps=1,
