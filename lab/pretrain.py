@@ -74,6 +74,21 @@ def code_version() -> str:
     return h.hexdigest()
 
 
+def micro_batch(env, cfg: TransformerConfig, batch: int = BATCH, grad: bool = True) -> int:
+    """Sequences per pass so that the attention of one pass stays within the rollout memory budget
+    (``lab.engine.training.attention_memory``, float32): the whole batch on short tasks, fewer on long answers; a
+    batch is then taken in micro-batches (the same mean loss, gradients accumulated). Raises when one sequence alone
+    does not fit."""
+    from lab.engine.training import ROLLOUT_MEMORY_BUDGET, attention_memory
+
+    L = env.prompt_length + env.length
+    one = attention_memory(cfg, L, 1, 0) if grad else attention_memory(cfg, L, 0, 1)
+    if one > ROLLOUT_MEMORY_BUDGET:
+        raise LabError(f"one sequence of {env.name!r} ({L:,} positions) needs {one / 2**30:.1f} GiB of attention "
+                       f"(budget {ROLLOUT_MEMORY_BUDGET / 2**30:.0f} GiB); choose a shorter task or a smaller size")
+    return max(1, min(batch, ROLLOUT_MEMORY_BUDGET // one))
+
+
 def _check(env, size: str, target_accuracy: float, max_steps: int, device: str):
     from lab.policies import check_device
 
@@ -81,6 +96,7 @@ def _check(env, size: str, target_accuracy: float, max_steps: int, device: str):
         raise LabError(f"env {getattr(env, 'name', env)!r} is not a task with answers; warm starts need a task env "
                        f"({', '.join(toy_envs.tasks.names())})")
     cfg = size_config(size)
+    micro_batch(env, env_config(env, cfg))  # a task too long for the memory budget: one line, before training
     if not (isinstance(target_accuracy, (int, float)) and 0 < target_accuracy < 1):
         raise LabError(f"target accuracy must lie strictly between 0 and 1, got {target_accuracy}")
     if not isinstance(max_steps, int) or isinstance(max_steps, bool) or not 1 <= max_steps <= MAX_STEPS_LIMIT:
@@ -105,13 +121,17 @@ def checkpoint_path(config: dict) -> Path:
 
 
 @torch.no_grad()
-def accuracies(policy: TransformerPolicy, theta, prompt_tokens, answers) -> tuple[float, float]:
-    """(mean_x pi(a*(x) | x), greedy exact-match rate) on prompts [N, P] with answers [N, T]."""
-    logits = policy.logits_for(theta, prompt_tokens, answers).float()
-    answers = answers.to(logits.device)
-    logp = torch.log_softmax(logits, -1).gather(-1, answers[..., None]).squeeze(-1).sum(-1)
-    greedy = (logits.argmax(-1) == answers).all(-1)  # teacher-forced argmax = greedy decoding when every one is right
-    return float(logp.exp().mean()), float(greedy.float().mean())
+def accuracies(policy: TransformerPolicy, theta, prompt_tokens, answers, chunk: int | None = None):
+    """(mean_x pi(a*(x) | x), greedy exact-match rate) on prompts [N, P] with answers [N, T], in passes of ``chunk``
+    prompts (None: one pass)."""
+    probs, greedy, n = [], [], chunk or max(len(prompt_tokens), 1)
+    for x, a in zip(prompt_tokens.split(n), answers.split(n)):
+        logits = policy.logits_for(theta, x, a).float()
+        a = a.to(logits.device)
+        logp = torch.log_softmax(logits, -1).gather(-1, a[..., None]).squeeze(-1).sum(-1)
+        probs.append(logp.exp())
+        greedy.append((logits.argmax(-1) == a).all(-1))  # teacher-forced argmax = greedy decoding when all are right
+    return float(torch.cat(probs).mean()), float(torch.cat(greedy).float().mean())
 
 
 def pretrain(env, size: str = DEFAULT_SIZE, target_accuracy: float = DEFAULT_TARGET, max_steps: int = DEFAULT_MAX_STEPS,
@@ -126,7 +146,8 @@ def pretrain(env, size: str = DEFAULT_SIZE, target_accuracy: float = DEFAULT_TAR
     start = time.perf_counter()
     theta, steps, acc = _train(env, policy, target_accuracy, max_steps, seed, torch.device(device), progress)
     seconds = time.perf_counter() - start
-    heldout = accuracies(policy, theta, env.heldout_prompt_tokens, env.heldout_answers) if env.n_heldout else (
+    heldout = accuracies(policy, theta, env.heldout_prompt_tokens, env.heldout_answers,
+                         micro_batch(env, policy.config, env.n_heldout, grad=False)) if env.n_heldout else (
         math.nan, math.nan)
     record = {"format": FORMAT, "config": config, "theta": theta.detach().float().cpu().contiguous(),
               "accuracy": acc[0], "greedy_accuracy": acc[1], "heldout_accuracy": heldout[0],
@@ -148,7 +169,8 @@ def _train(env, policy, target, max_steps, seed, device, progress):
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / WARMUP))
     batches = generator(seed, 1)
     prompts, answers = env.prompt_tokens, env.answers
-    acc = accuracies(policy, theta, prompts, answers)
+    micro, chunk = micro_batch(env, policy.config), micro_batch(env, policy.config, env.n_prompts, grad=False)
+    acc = accuracies(policy, theta, prompts, answers, chunk)
     steps = 0
     with bar(max_steps, f"pretrain {env.name} ({policy.n_params:,} parameters)", progress) as b:
         while acc[0] < target:
@@ -156,17 +178,20 @@ def _train(env, policy, target, max_steps, seed, device, progress):
                 raise LabError(f"the warm start reached accuracy {acc[0]:.3f}, not {target}, in {max_steps} steps; "
                                f"raise --max-steps, lower --target-accuracy or choose a larger --size")
             x, a = env.sample_problems(BATCH, batches)
-            logits = policy.logits_for(theta, x, a)
-            loss = F.cross_entropy(logits.reshape(-1, policy.vocab_size), a.to(device).reshape(-1))
             opt.zero_grad(set_to_none=True)
-            loss.backward()
+            loss = 0.0
+            for xs, as_ in zip(x.split(micro), a.split(micro)):  # one pass on short tasks; the same mean loss
+                logits = policy.logits_for(theta, xs, as_)
+                part = F.cross_entropy(logits.reshape(-1, policy.vocab_size), as_.to(device).reshape(-1))
+                (part * (len(xs) / BATCH) if micro < BATCH else part).backward()
+                loss += float(part.detach()) * len(xs) / BATCH
             torch.nn.utils.clip_grad_norm_([theta], CLIP)
             opt.step()
             sched.step()
             steps += 1
-            acc = accuracies(policy, theta, prompts, answers)
+            acc = accuracies(policy, theta, prompts, answers, chunk)
             b.update(1)
-            b.set_postfix(loss=f"{loss.item():.3f}", accuracy=f"{acc[0]:.3f}", refresh=False)
+            b.set_postfix(loss=f"{loss:.3f}", accuracy=f"{acc[0]:.3f}", refresh=False)
     return theta.detach(), steps, acc
 
 

@@ -41,6 +41,8 @@ def _answer(task: str, prompt: str) -> str:
         return str(int(a) + int(b)).zfill(len(a) + 1)
     if task == "sorting":
         return "".join(sorted(body.split(",")))
+    if task == "copy":
+        return body
     digits = [int(c) for c in body.split("+")]
     return "".join(str(sum(digits[:i + 1]) % 10) for i in range(1, len(digits)))
 
@@ -99,6 +101,35 @@ def test_small_presets_enumerate_large_ones_need_monte_carlo():
     assert all(toy_envs.make(n).length == 3 for n in small)
 
 
+def test_copy_tasks_have_long_answers_with_per_position_credit():
+    x, a = toy_envs.make("copy6").problems(torch.tensor([[3, 1, 4, 1, 5, 9], [0, 0, 0, 0, 0, 7]]))
+    assert TOKENIZER.decode(x) == ["314159=", "000007="] and TOKENIZER.decode(a) == ["314159", "000007"]
+    for name, T in [("copy64", 64), ("copy256", 256), ("copy1024", 1024)]:
+        env = toy_envs.make(name)
+        assert env.length == T and env.prompt_length == T + 1 and env.space == 10**T
+        codes = torch.cat([env.heldout_codes, env.prompt_codes])
+        assert codes.shape == (env.n_heldout + env.n_prompts, T)
+        assert codes.unique(dim=0).shape[0] == codes.shape[0]  # distinct problems, held-out ones apart
+        assert torch.equal(env.answers, env.prompt_tokens[:, :T])
+    dense = toy_envs.make("copy1024_dense")
+    answer = dense.answers[:1]
+    wrong = answer.clone()
+    wrong[0, ::4] = (wrong[0, ::4] + 1) % 10  # a quarter of the positions wrong
+    tokens, prompts, mask = torch.cat([answer, wrong]), torch.zeros(2, dtype=torch.long), torch.ones(2, 1024)
+    assert dense.expected_reward(prompts, tokens, mask).tolist() == [1.0, 0.75]
+    assert toy_envs.make("copy1024").expected_reward(prompts, tokens, mask).tolist() == [1.0, 0.0]
+    held = {tuple(r) for r in toy_envs.make("copy6", n_heldout=500).heldout_codes.tolist()}
+    x, _ = toy_envs.make("copy6", n_heldout=500).sample_problems(2000, torch.Generator().manual_seed(0))
+    assert not held & {tuple(r) for r in x[:, :6].tolist()}  # warm-start data never shows a held-out prompt
+    x, _ = toy_envs.make("copy6", difficulty=2, n_prompts=20, n_heldout=80).sample_problems(
+        300, torch.Generator().manual_seed(0))
+    assert x[:, :2].unique(dim=0).shape[0] == 20  # the 80 held-out problems of 100 are never drawn
+    with pytest.raises(LabError, match="at most 8192"):
+        toy_envs.make("copy6", difficulty=10_000)
+    with pytest.raises(LabError, match="at most 8"):
+        toy_envs.make("chain6", difficulty=64)
+
+
 def test_prompt_splits_are_fixed_disjoint_and_seeded():
     env = toy_envs.make("sort3")
     train, held = set(env.prompt_codes.tolist()), set(env.heldout_codes.tolist())
@@ -145,3 +176,53 @@ def test_lab_envs_lists_the_tasks(capsys):
     out = capsys.readouterr().out
     line = next(row for row in out.splitlines() if row.startswith("add2 "))
     assert "32" in line and " 10 " in line and "32,000" in line and "addition" in line
+
+
+@pytest.mark.slow
+def test_long_answers_fit_the_transformer_and_its_memory_budget():
+    """The context grows to P + T - 1 on long tasks; the training memory check counts the attention, quadratic in
+    the context: copy1024 fits 8 GiB with 16 responses a rollout and is refused, one line, with 256."""
+    from lab.engine.training import ROLLOUT_MEMORY_BUDGET, TrainConfig, attention_memory
+    from lab.policies.transformer import SIZES, TransformerPolicy
+
+    assert TransformerPolicy.for_env(toy_envs.make("copy6"), "small").config == SIZES["small"]
+    assert TransformerPolicy.for_env(toy_envs.make("copy64"), "small").config.block_size == 128
+    cfg = SIZES["small"]
+    assert attention_memory(cfg, 2049, 8, 16) == 4 * 2049**2 * 4 * max(3 * 2 * 8, 2 * 16)
+    small = TrainConfig(env="copy1024", policy="transformer", size="small", rollout_batch=16, group_size=4,
+                        minibatches=2, steps=1)
+    small.validate()
+    assert attention_memory(cfg, 2049, 8, 16) < small.rollout_memory() < ROLLOUT_MEMORY_BUDGET
+    with pytest.raises(LabError, match=r"needs about 100\.\d GiB .*attention"):
+        TrainConfig(env="copy1024", policy="transformer", size="small", rollout_batch=256, group_size=4).validate()
+
+
+@pytest.mark.slow
+def test_warm_starts_of_long_tasks_go_in_micro_batches_or_are_refused():
+    from lab import pretrain
+    from lab.policies.transformer import TransformerPolicy, env_config, size_config
+
+    assert pretrain.micro_batch(toy_envs.make("copy6"), size_config("small")) == pretrain.BATCH
+    env = toy_envs.make("copy1024")
+    micro = pretrain.micro_batch(env, env_config(env, "small"))
+    assert 1 <= micro < pretrain.BATCH
+    with pytest.raises(LabError, match="one sequence of 'copy6'.*GiB"):
+        pretrain.pretrain(toy_envs.make("copy6", difficulty=8192, n_prompts=2, n_heldout=2), "small")
+    short = toy_envs.make("copy6")
+    policy = TransformerPolicy.for_env(short, "test")
+    theta = policy.init_params(1.0, torch.Generator().manual_seed(0), torch.float32)
+    whole = pretrain.accuracies(policy, theta, short.prompt_tokens, short.answers)
+    parts = pretrain.accuracies(policy, theta, short.prompt_tokens, short.answers, chunk=7)
+    assert parts == pytest.approx(whole, rel=1e-5)
+
+
+@pytest.mark.slow
+def test_a_run_beyond_the_budget_is_one_line_and_exit_2(tmp_path):
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "lab.cli", "train", "--policy", "transformer", "--env", "copy1024",
+                          "--rollout-batch", "256", "--group-size", "4", "--out", str(tmp_path / "run")],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1 and "GiB" in out.stderr
+    assert not (tmp_path / "run").exists()

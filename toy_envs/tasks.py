@@ -11,6 +11,13 @@ answer length T:
   10^L problems.
 - ``chain`` (difficulty k, steps): "3+4+5+1=" -> "723": running sums mod 10, s_i = (a_0 + ... + a_i) mod 10 for
   i = 1..k; each answer digit needs the one before it (multi-step). P = 2k + 2, T = k, 10^(k+1) problems.
+- ``copy`` (difficulty T, digits): "3141=" -> "3141": the prompt's digits repeated. P = T + 1, T from 1 to
+  ``COPY_MAX`` (answers of a thousand tokens and more), 10^T problems. Answer token t sits T + 1 positions after
+  its source, so every position needs the same long-range look-up; with the ``dense`` reward each of the T
+  positions earns its own credit.
+
+Problems are numbered by ``codes``: one integer per problem (addition, sorting, chain: difficulty at most 8), or
+for ``copy`` the problem's T digits themselves, a row [T] (10^T problems do not fit an integer at T > 18).
 
 Vocabulary size (``distractors``, default 0). A task's response vocabulary is the first V token ids, V = 10 +
 ``distractors``: with d > 0 the digits are joined by d wrong tokens, first the prompt's symbols "+", "=", ","
@@ -70,12 +77,14 @@ class CharTokenizer:
 
 TOKENIZER = CharTokenizer("0123456789+=,")
 PLUS, EQUALS, COMMA = (TOKENIZER.ids[c] for c in "+=,")
-TASKS = ("addition", "sorting", "chain")
+TASKS = ("addition", "sorting", "chain", "copy")
+COPY_MAX = 8192  # the longest copy answer (T); memory is checked where a model runs on it
 TASK_REWARDS = ("target", "dense")
 INSTRUCTIONS = {
     "addition": "Add the two numbers; answer with the sum zero-padded to {T} digits.",
     "sorting": "Sort the digits in ascending order; answer with the {T} sorted digits.",
     "chain": "Answer with the running sums mod 10 after each addition ({T} digits).",
+    "copy": "Repeat the {T} digits.",
 }
 
 
@@ -96,8 +105,8 @@ def _interleave(digits: np.ndarray, sep: int, end: int) -> np.ndarray:
 
 @dataclass(frozen=True)
 class Task:
-    """A task env (see the module doc). ``difficulty``: digits per operand (addition), list length (sorting) or
-    steps (chain)."""
+    """A task env (see the module doc). ``difficulty``: digits per operand (addition), list length (sorting),
+    steps (chain) or digits (copy)."""
 
     name: str
     task: str = "addition"
@@ -126,8 +135,9 @@ class Task:
                            f"{self.distractors!r}")
         if not isinstance(self.n_heldout, int) or isinstance(self.n_heldout, bool) or self.n_heldout < 0:
             raise LabError(f"env field n_heldout must be a non-negative integer, got {self.n_heldout!r}")
-        if self.difficulty > 8:
-            raise LabError(f"difficulty {self.difficulty} is too large; use at most 8")
+        cap = COPY_MAX if self.task == "copy" else 8
+        if self.difficulty > cap:
+            raise LabError(f"difficulty {self.difficulty} is too large for task {self.task}; use at most {cap}")
         if self.n_prompts + self.n_heldout > self.space:
             raise LabError(f"task {self.task} at difficulty {self.difficulty} has {self.space:,} problems, fewer "
                            f"than n_prompts + n_heldout = {self.n_prompts + self.n_heldout:,}")
@@ -141,18 +151,23 @@ class Task:
     @property
     def length(self) -> int:
         """T, the answer length."""
-        return {"addition": self.difficulty + 1, "sorting": self.difficulty, "chain": self.difficulty}[self.task]
+        return self.difficulty + (self.task == "addition")
 
     @property
     def prompt_length(self) -> int:
         return {"addition": 2 * self.difficulty + 2, "sorting": 2 * self.difficulty,
-                "chain": 2 * self.difficulty + 2}[self.task]
+                "chain": 2 * self.difficulty + 2, "copy": self.difficulty + 1}[self.task]
 
     @property
     def space(self) -> int:
         """How many distinct problems the task has."""
-        return 10 ** {"addition": 2 * self.difficulty, "sorting": self.difficulty, "chain": self.difficulty + 1}[
-            self.task]
+        return 10 ** {"addition": 2 * self.difficulty, "sorting": self.difficulty, "chain": self.difficulty + 1,
+                      "copy": self.difficulty}[self.task]
+
+    @property
+    def rows(self) -> bool:
+        """Whether a problem's code is a row of digits (copy) rather than one integer."""
+        return self.task == "copy"
 
     @property
     def tokenizer(self) -> CharTokenizer:
@@ -173,12 +188,16 @@ class Task:
 
     # ---- problems ----
     def problems(self, codes) -> tuple[torch.Tensor, torch.Tensor]:
-        """Prompt tokens [N, P] and answers [N, T] (long tensors) of problem numbers ``codes`` [N] in range(space)."""
+        """Prompt tokens [N, P] and answers [N, T] (long tensors) of problem numbers ``codes`` [N] in range(space)
+        (copy: digit rows [N, T])."""
         prompts, answers = self.problem_arrays(codes)
         return torch.from_numpy(prompts), torch.from_numpy(answers)
 
     def problem_arrays(self, codes) -> tuple[np.ndarray, np.ndarray]:
         """``problems`` as int64 numpy arrays (the definition of the task's problems)."""
+        if self.rows:
+            digits = np.asarray(codes, dtype=np.int64).reshape(-1, self.difficulty)
+            return np.concatenate([digits, np.full((len(digits), 1), EQUALS)], 1), digits.copy()
         codes = np.asarray(codes, dtype=np.int64).reshape(-1)
         d, N = self.difficulty, codes.shape[0]
         if self.task == "addition":
@@ -229,10 +248,17 @@ class Task:
         """n problems drawn uniformly from the task's space without the held-out ones (training data for a
         warm start): prompt tokens [n, P], answers [n, T]."""
         held = self.heldout_codes
-        codes = torch.empty(0, dtype=torch.long)
+        codes = torch.empty((0, self.difficulty) if self.rows else 0, dtype=torch.long)
         while codes.shape[0] < n:  # rejection of the held-out codes; one round unless they are most of the space
-            draw = torch.randint(self.space, (2 * n,), generator=generator)
-            codes = torch.cat([codes, draw[~torch.isin(draw, held)]])
+            if self.rows:
+                draw = torch.randint(10, (2 * n, self.difficulty), generator=generator)
+                seen = torch.zeros(2 * n, dtype=torch.bool)
+                for row in held:  # n_heldout comparisons of [2n, T]
+                    seen |= (draw == row).all(-1)
+            else:
+                draw = torch.randint(self.space, (2 * n,), generator=generator)
+                seen = torch.isin(draw, held)
+            codes = torch.cat([codes, draw[~seen]])
         return self.problems(codes[:n])
 
     # ---- the env interface ----
@@ -285,14 +311,19 @@ def _codes(env: Task) -> np.ndarray:
     first appearance)."""
     rng = np.random.default_rng([env.seed, TASKS.index(env.task), env.difficulty])
     need = env.n_heldout + env.n_prompts
-    if env.space <= 2**20:
-        codes = rng.permutation(env.space)[:need]
+    if env.rows and env.space <= 2**20:  # digit rows of a permutation of a small space
+        return _digits(rng.permutation(env.space)[:need], env.difficulty)
+    if env.rows:  # distinct digit rows in order of first appearance
+        stream = rng.integers(10, size=(need + 64, env.difficulty))
+        _, first = np.unique(stream, axis=0, return_index=True)
+    elif env.space <= 2**20:
+        return rng.permutation(env.space)[:need]
     else:
         stream = rng.integers(env.space, size=4 * need + 64)  # collisions are rare in spaces above 2^20
         _, first = np.unique(stream, return_index=True)
-        codes = stream[np.sort(first)][:need]
-        if len(codes) < need:
-            raise LabError(f"could not draw {need:,} distinct problems from {env.space:,}; ask for fewer prompts")
+    codes = stream[np.sort(first)][:need]
+    if len(codes) < need:
+        raise LabError(f"could not draw {need:,} distinct problems from {env.space:,}; ask for fewer prompts")
     return codes
 
 
@@ -308,15 +339,15 @@ def _enumerate(env: Task):
 def _described(t: Task) -> Task:
     d = t.difficulty
     words = {"addition": f"{d}-digit addition", "sorting": f"sorting {d} digits",
-             "chain": f"{d}-step running sums mod 10"}[t.task]
-    example = t.example
+             "chain": f"{d}-step running sums mod 10", "copy": f"copying {d} digits"}[t.task]
+    example = t.example if t.length <= 16 else f"{t.example[:8]}…{t.example[-8:]} ({t.prompt_length} + {d} tokens)"
     credit = "exact match" if t.reward == "target" else "per-position partial credit"
     extra = f"; V = {t.vocab_size} ({t.distractors} distractor tokens)" if t.distractors else ""
     return dataclasses.replace(t, description=f"{words}, e.g. {example}; {credit}; {t.n_heldout} held out{extra}")
 
 
-def _preset(name, task, difficulty, n_prompts, reward="target"):
-    return _described(Task(name, task, difficulty, n_prompts, reward=reward))
+def _preset(name, task, difficulty, n_prompts, reward="target", n_heldout=64):
+    return _described(Task(name, task, difficulty, n_prompts, n_heldout, reward=reward))
 
 
 PRESETS = {
@@ -331,6 +362,12 @@ PRESETS = {
         _preset("add4", "addition", 4, 128),
         _preset("sort6", "sorting", 6, 128),
         _preset("chain6", "chain", 6, 128),
+        _preset("copy6", "copy", 6, 128),
+        _preset("copy64", "copy", 64, 128),
+        _preset("copy64_dense", "copy", 64, 128, "dense"),
+        _preset("copy256", "copy", 256, 128),
+        _preset("copy1024", "copy", 1024, 16, n_heldout=16),
+        _preset("copy1024_dense", "copy", 1024, 16, "dense", n_heldout=16),
     ]
 }
 

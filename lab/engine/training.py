@@ -311,8 +311,8 @@ class TrainConfig:
         need = self.rollout_memory(policy)
         if need > ROLLOUT_MEMORY_BUDGET:
             raise LabError(f"this run needs about {need / 2**30:.1f} GiB (budget {ROLLOUT_MEMORY_BUDGET / 2**30:.0f} "
-                           f"GiB: its rollout batch, parameters and exact metrics); use a smaller rollout batch, "
-                           f"vocabulary, length or env")
+                           f"GiB: its rollout batch, parameters, attention and exact metrics); use a smaller "
+                           f"rollout batch, more mini-batches, a smaller vocabulary, length or env")
         if est.needs_groups:
             if self.group_size < 2:
                 raise LabError(f"estimator {self.estimator!r} needs groups of at least 2 responses per prompt; "
@@ -325,8 +325,9 @@ class TrainConfig:
         """Bytes a run needs at least: a rollout batch's logits, log-softmax and their gradients (4 x B T V float64)
         and, for a network, the activations its update keeps (about 16 floats per width, layer and position); the
         parameters with their gradient, Adam's two moments and the snapshots a lag keeps ((4 + lag_max) x D
-        float64); and, for exact metrics, the enumeration's logits and log-softmax (2 x pairs T V float64, one pass
-        over every pair)."""
+        float64); for exact metrics, the enumeration's logits and log-softmax (2 x pairs T V float64, one pass
+        over every pair); and for the transformer its attention, quadratic in the context L = P + T
+        (``attention_memory``), which dominates on long answers."""
         env = self.make_env()
         need = 4 * self.rollout_batch * env.length * env.vocab_size * 8
         if policy is not None or not kind(self.policy).network:
@@ -345,7 +346,20 @@ class TrainConfig:
                 config = (policy or self.problem().policy).model.config
                 width, layers = config.hidden_size, config.num_hidden_layers
             need += 16 * self.rollout_batch * positions * width * layers * 8
+            if self.policy == "transformer":
+                need += attention_memory(c, positions, self.rollout_batch // self.minibatches,
+                                         max(self.rollout_batch, env.n_prompts, getattr(env, "n_heldout", 0)),
+                                         8 if self.dtype == "float64" else 4)
         return need
+
+
+def attention_memory(config, positions: int, grad_batch: int, pass_batch: int, float_bytes: int = 4) -> int:
+    """Bytes of the transformer's attention weights [batch, heads, L, L] a run holds at once (L = ``positions``):
+    three per layer for every sequence of a pass with a gradient (the scores, their mask and softmax, kept for the
+    backward pass; ``grad_batch`` sequences: a mini-batch) or two of one layer for every sequence of a pass without
+    one (``pass_batch``: a rollout's sampling and scoring, the metrics' teacher-forced passes)."""
+    per = config.n_head * positions**2 * float_bytes
+    return per * max(3 * config.n_layer * grad_batch, 2 * pass_batch)
 
 @dataclass
 class TrainResult:

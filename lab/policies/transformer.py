@@ -88,11 +88,18 @@ def size_config(size: str) -> TransformerConfig:
 
 def env_config(env, size: str | TransformerConfig) -> TransformerConfig:
     """The config of ``size`` for ``env``: its embedding grown to the env's response vocabulary and prompt ids when
-    they need more token ids than the size has (a task with distractor tokens, V = 10 + d); otherwise ``size``'s."""
+    they need more token ids than the size has (a task with distractor tokens, V = 10 + d), and its position table
+    grown to P + T - 1 when a task's prompt and answer need a longer context (a long copy task); otherwise
+    ``size``'s."""
     cfg = size if isinstance(size, TransformerConfig) else size_config(size)
     table = getattr(env, "prompt_tokens", None)
-    need = max(env.vocab_size, int(table.max()) + 1 if table is not None and table.numel() else 0)
-    return replace(cfg, n_tokens=need) if need > cfg.n_tokens and table is not None else cfg
+    if table is None:
+        return cfg
+    need = max(env.vocab_size, int(table.max()) + 1 if table.numel() else 0)
+    if need > cfg.n_tokens:
+        cfg = replace(cfg, n_tokens=need)
+    context = table.shape[1] + env.length - 1
+    return replace(cfg, block_size=context) if context > cfg.block_size else cfg
 
 
 # ---- the network (nanoGPT's model.py, dropout-free, with an optional MoE MLP) ---------------------------------------

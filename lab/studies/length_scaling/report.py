@@ -190,6 +190,7 @@ def growth_figure(summary: dict):
 
 def mse_figure(results: pd.DataFrame):
     """Per regime: each estimator's MSE ÷ ‖∇J‖² and relative bias against T (log-log), with interval bands."""
+    results = results[results.policy == "markov"]
     regimes = list(dict.fromkeys(results.regime))
     fig, axes = plt.subplots(2, len(regimes), figsize=(5.5 * len(regimes), 7), squeeze=False)
     for j, regime in enumerate(regimes):
@@ -217,7 +218,7 @@ def mse_figure(results: pd.DataFrame):
 
 def diagnostics_figure(results: pd.DataFrame):
     """Sampled ESS (share of the batch) and k-hat against T, per regime."""
-    diag = results[results.estimator == "-"]
+    diag = results[(results.policy == "markov") & (results.estimator == "-")]
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
     for regime, g in diag.groupby("regime", sort=False):
         for ax, metric in zip(axes, ("ess_frac", "khat")):
@@ -230,6 +231,128 @@ def diagnostics_figure(results: pd.DataFrame):
     for ax in axes:
         ax.set_xscale("log")
         ax.set_xlabel("response length T")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    return fig
+
+
+# ---- the transformer staleness table across lengths (summary["staleness"]) ----------------------------------------
+
+@dataclass
+class LengthOrder:
+    """One study's setting at one length: the estimators by IQM, highest first, and whether the first and the last
+    are apart (non-overlapping intervals)."""
+
+    length: int
+    ranked: list  # [(estimator, [value, lo, hi])]
+    apart: bool
+
+
+@dataclass
+class StalenessDecisions:
+    """What the staleness section states: per study, its largest setting's order at every length; the flips; and
+    per length VESPO's orderings reproduced, reversed or not separated."""
+
+    settings: dict  # study -> the largest setting key (N or eta)
+    orders: dict  # study -> [LengthOrder] by length, at that setting
+    flips: list  # staleness.Flip
+    reproduced: dict  # length -> ["better > worse"]
+    reversed: dict  # length -> ["worse > better"]
+    unresolved: dict  # length -> count of paper pairs not separated
+    appears: list  # lengths where every paper pair trained here is reproduced and at least one is
+    ordering_n: float | None  # the N at which the paper's orderings are checked (the largest trained)
+
+
+def _setting_order(xs) -> list:
+    return sorted(xs, key=float)
+
+
+def decide_staleness(summary: dict | Summary) -> StalenessDecisions | None:
+    t = summary_of(summary).staleness
+    if t is None:
+        return None
+    settings, orders = {}, {}
+    for study, by_length in t.table.items():
+        xs = _setting_order({x for cells in by_length.values() for c in cells.values() for x in c})
+        settings[study] = xs[-1]
+        orders[study] = []
+        for T in sorted(by_length, key=int):
+            at = {e: c[xs[-1]].final_accuracy_iqm for e, c in by_length[T].items() if xs[-1] in c}
+            ranked = sorted(at.items(), key=lambda kv: -kv[1][0])
+            apart = len(ranked) > 1 and ranked[0][1][1] > ranked[-1][1][2]
+            orders[study].append(LengthOrder(int(T), ranked, apart))
+    reproduced, reversed_, unresolved, appears, n = {}, {}, {}, [], None
+    for T, rows in t.orderings.items():
+        n = rows[0].n if rows else n
+        reproduced[int(T)] = [f"{r.better} > {r.worse}" for r in rows if r.verdict == "reproduced"]
+        reversed_[int(T)] = [f"{r.worse} > {r.better}" for r in rows if r.verdict == "reversed"]
+        unresolved[int(T)] = sum(r.verdict == "not separated" for r in rows)
+        if rows and len(reproduced[int(T)]) == len(rows):
+            appears.append(int(T))
+    return StalenessDecisions(settings, orders, list(t.flips), reproduced, reversed_, unresolved, sorted(appears), n)
+
+
+def describe_flip(f) -> str:
+    """One sentence per flip, with both lengths' intervals."""
+    what = f"N = {f.setting}" if f.study == "sync" else f"η = {f.setting}"
+    return (f"{f.study}, {what}: {f.first} {interval(*f.first_at_a, '{:.2f}')} above {f.second} "
+            f"{interval(*f.second_at_a, '{:.2f}')} at T = {f.length_a}, below it at T = {f.length_b} "
+            f"({interval(*f.first_at_b, '{:.2f}')} against {interval(*f.second_at_b, '{:.2f}')}).")
+
+
+def staleness_answer(summary: dict) -> str:
+    """Markdown for the transformer staleness section: where the full table comes from when it was not run, else
+    the setup, the order at the largest setting per length, the flips and VESPO's orderings at each length."""
+    s = summary_of(summary)
+    d = decide_staleness(s)
+    return render(HERE, "staleness.md", t=s.staleness, d=d, flips=[describe_flip(f) for f in (d.flips if d else [])],
+                  iv=lambda v: interval(*v, "{:.2f}"))
+
+
+def staleness_table(summary: dict, study: str = "sync"):
+    """Per estimator and setting, the final held-out accuracy's IQM [95% interval] at each length; the highest at
+    each (length, setting) marked."""
+    t = summary_of(summary).staleness
+    by_length = t.table[study]
+    lengths = sorted(by_length, key=int)
+    xs = _setting_order({x for cells in by_length.values() for c in cells.values() for x in c})
+    name = "N" if study == "sync" else "η"
+    rows, marks = [], {}
+    for e in t.estimators:
+        for x in xs:
+            row = {"estimator": e, name: x}
+            for T in lengths:
+                cell = by_length[T].get(e, {}).get(x)
+                row[f"T={T}"] = interval(*cell.final_accuracy_iqm, "{:.2f}") if cell else "–"
+            rows.append(row)
+    df = pd.DataFrame(rows)
+    for T in lengths:
+        for x in xs:
+            at = {i: by_length[T][r["estimator"]][x].final_accuracy_iqm[0] for i, r in df.iterrows()
+                  if r[name] == x and x in by_length[T].get(r["estimator"], {})}
+            if at:
+                best = max(at, key=at.get)
+                marks.setdefault(best, []).append(f"T={T}")
+    return table(df, f"{study}: final held-out exact accuracy, IQM over {t.seeds} seeds [95% stratified-bootstrap "
+                     f"interval], per answer length T; the highest at each T and {name} marked.", marks)
+
+
+def staleness_figure(summary: dict):
+    """Per study, at its largest setting: each estimator's IQM (95% interval) against the answer length T."""
+    s = summary_of(summary)
+    d = decide_staleness(s)
+    fig, axes = plt.subplots(1, len(d.orders), figsize=(5.5 * len(d.orders), 3.6), squeeze=False)
+    for ax, (study, orders) in zip(axes[0], d.orders.items()):
+        for e in s.staleness.estimators:
+            pts = [(o.length, dict(o.ranked)[e]) for o in orders if e in dict(o.ranked)]
+            T = [p[0] for p in pts]
+            v = [p[1] for p in pts]
+            ax.errorbar(T, [x[0] for x in v], yerr=[[x[0] - x[1] for x in v], [x[2] - x[0] for x in v]], marker="o",
+                        ms=4, capsize=2, color=color(e), label=e)
+        ax.set_xscale("log")
+        ax.set_xlabel("answer length T")
+        ax.set_ylabel("final held-out accuracy (IQM)")
+        ax.set_title(f"{study}, {'N' if study == 'sync' else 'η'} = {d.settings[study]}")
         ax.legend(fontsize=7)
     fig.tight_layout()
     return fig

@@ -18,6 +18,12 @@ Fits per regime (least squares over the lengths; ``fit_rate``, ``power_exponent`
 - measured_rate: slope in T of log(Var seq_is / Var reinforce) from the sampled variances of the same batches,
   with an interval from their bootstrap intervals (weighted least squares);
 - bias_exponent / first_order_exponent: slopes of log relative bias against log T, exact and first-order.
+
+On a transformer (``staleness``, the summary's ``staleness`` section): the staleness table of the
+real_staleness_training study (RL under mini-batch staleness N and async lag, final held-out accuracy over seeds)
+repeated on the copy task at several answer lengths, and the pairs of corrections whose order flips with length.
+It runs at ``staleness_lengths`` or is read from finished sweeps (``results``); by default neither, since it takes
+hours of CPU at T = 256 (the full tables: ``sweeps/length_transformer_{sync,async}.yaml``).
 """
 from __future__ import annotations
 
@@ -46,7 +52,9 @@ from lab.policies import Perturbed, init_params, make_policy
 from lab.progress import bar
 from lab.seeding import derive_seed, generator
 from lab.studies import StudyResult
+from lab.studies.length_scaling import staleness
 from lab.typed import knob
+from toy_envs.tasks import COPY_MAX
 
 DEFAULT_ESTIMATORS = ("reinforce", "seq_is", "token_is", "ppo_clip", "gspo", "vespo")
 REGIMES = ("token", "sequence")
@@ -100,6 +108,47 @@ class Config:
     """seed of every random stream of the study"""
     memory_budget: float = knob(2.0, gt=0, le=4096)
     """GiB of gradient estimates held at once (M x D float32 for the markov table)"""
+    staleness_lengths: list[int] = knob([], ge=1, le=COPY_MAX)
+    """the transformer staleness table: answer lengths T at which it trains ([]: the table only from ``results``;
+    the full table is sweeps/length_transformer_{sync,async}.yaml)"""
+    staleness_env: str = "copy6"
+    """staleness table: the task family, rebuilt at each T through its difficulty (copy: T digits)"""
+    staleness_estimators: list[str] = knob(["reinforce", "ppo_clip", "gspo", "vespo", "seq_is"])
+    """staleness table: the estimators trained, one run per estimator, setting, T and seed"""
+    staleness_baseline: str | None = "ppo_clip"
+    """staleness table: probability of improvement against this estimator (none: not measured)"""
+    staleness_minibatches: list[int] = knob([1, 16], ge=1, le=100_000)
+    """staleness table, sync: N mini-batches per rollout ([] leaves the sync table out)"""
+    staleness_etas: list[int] = knob([], ge=0, le=10_000)
+    """staleness table, async: staleness bounds eta ([] leaves the async table out)"""
+    staleness_seeds: list[int] = knob([0, 1, 2], ge=0, le=SEED_MAX)
+    """staleness table: seeds per cell; intervals are over seeds"""
+    staleness_size: str = "small"
+    """staleness table: transformer size (lab.policies.transformer.SIZES)"""
+    staleness_warm_start: float = knob(0.3, ge=0, lt=1)
+    """staleness table: supervised warm start to this exact-match accuracy at each T (`lab pretrain`)"""
+    staleness_steps: int = knob(6, ge=1, le=1_000_000)
+    """staleness table: rollouts per run"""
+    staleness_rollout_batch: int = knob(256, ge=1, le=1_000_000)
+    """staleness table: responses per rollout"""
+    staleness_group_size: int = knob(4, ge=1, le=4096)
+    """staleness table: responses per prompt"""
+    staleness_lr: float = knob(5e-4, gt=0, le=1e3)
+    """staleness table: Adam learning rate (real_staleness_training's)"""
+    staleness_async_n: int = knob(4, ge=1, le=100_000)
+    """staleness table, async: N during consumption"""
+    staleness_lag_max: int = knob(8, ge=0, le=10_000)
+    """staleness table, async: lags drawn uniformly on 0..lag_max"""
+    staleness_device: str = "cpu"
+    """staleness table: where the transformer trains (cpu | cuda)"""
+    workers: int | None = knob(None, ge=1, le=4096)
+    """staleness table: parallel runs (none: every core)"""
+    sweep_dir: str | None = None
+    """staleness table: keep its sweeps here (subfolders sync, async) and resume from them (none: a temporary
+    folder)"""
+    results: str | None = None
+    """staleness table: read the finished sweeps in this folder (subfolders sync, async, e.g. of
+    sweeps/length_transformer_*.yaml) instead of running them"""
 
     def env_at(self, length: int):
         return toy_envs.make(self.env, **{**self.env_overrides, "length": int(length)})
@@ -129,6 +178,20 @@ class Config:
         if self.batch_size % self.group_size:
             raise LabError(f"batch size {self.batch_size} must be a multiple of the group size {self.group_size}")
         self._validate_memory()
+        if self.results is not None:
+            staleness.check_results(self.results)
+        elif self.staleness_lengths:
+            self.staleness_table().validate()
+
+    def staleness_table(self) -> staleness.Table:
+        """The transformer staleness table's sweeps (``lab.studies.length_scaling.staleness``)."""
+        return staleness.Table(self.staleness_env, [int(t) for t in self.staleness_lengths],
+                               list(self.staleness_estimators), self.staleness_baseline,
+                               list(self.staleness_minibatches), list(self.staleness_etas), list(self.staleness_seeds),
+                               self.staleness_size, self.staleness_warm_start, self.staleness_steps,
+                               self.staleness_rollout_batch, self.staleness_group_size, self.staleness_lr,
+                               self.staleness_async_n, self.staleness_lag_max,
+                               device=self.staleness_device)
 
     def _validate_estimators(self) -> None:
         if not self.estimators:
@@ -225,6 +288,7 @@ class Summary:
     points: list[Point]
     fits: list[Fit]
     config: dict  # the sampling settings behind every point
+    staleness: staleness.Staleness | None = None  # the transformer staleness table across lengths, when run or read
 
 
 def trajectory(env, policy, theta0: torch.Tensor, steps: int, lr: float) -> torch.Tensor:
@@ -328,6 +392,22 @@ def _relative(res: dict, norm: float) -> dict:
             "rel_noise": tuple(math.sqrt(max(v, 0.0)) / norm for v in res["variance"])}
 
 
+def run_staleness(cfg: Config, progress: bool | None = None) -> tuple[pd.DataFrame, dict] | None:
+    """The transformer staleness table (``staleness``): read from ``results``, or run at ``staleness_lengths``;
+    (tidy table, summary section), or None when neither is given."""
+    if cfg.results is not None:
+        sweeps, source = staleness.load(cfg.results), f"the sweeps in {cfg.results}"
+    elif cfg.staleness_lengths:
+        sweeps = staleness.run_sweeps(cfg.staleness_table(), "local", cfg.workers, cfg.sweep_dir, progress)
+        source = "the report's own sweeps"
+    else:
+        return None
+    ests = {e for _, r in sweeps.values() for e in r["estimator"]}
+    baseline = cfg.staleness_baseline if cfg.staleness_baseline in ests else None
+    table = staleness.summarise(sweeps, baseline, cfg.n_boot)
+    return table, staleness.section(source, sweeps, table, baseline)
+
+
 def run(cfg: Config, progress: bool | None = None) -> StudyResult:
     """(tidy results, summary) of one length study; deterministic given ``cfg.seed``."""
     cfg.validate()
@@ -378,4 +458,9 @@ def run(cfg: Config, progress: bool | None = None) -> StudyResult:
         fits=[fits(points, r, cfg.ci) for r in cfg.regimes],
         config={k: getattr(cfg, k) for k in ("batch_size", "group_size", "advantage", "loss_agg_mode", "replicates",
                                              "trajectory_steps")})
-    return StudyResult(pd.DataFrame(rows), asdict(summary))
+    results, out = pd.DataFrame(rows), asdict(summary)
+    tf = run_staleness(cfg, progress)
+    if tf is not None:  # the transformer's rows beside the markov ones: policy "transformer", column study
+        table, out["staleness"] = tf
+        results = pd.concat([results, table.assign(policy="transformer")], ignore_index=True)
+    return StudyResult(results, out)
