@@ -129,3 +129,37 @@ def test_command_line(cache, capsys):
     assert "reused from the cache" in capsys.readouterr().out
     with pytest.raises(LabError, match="unknown env"):
         args.func(parser.parse_args(["pretrain", "--task", "nope"]))
+
+
+@pytest.mark.slow
+def test_the_checkpoint_does_not_depend_on_the_callers_thread_count(cache, env, tmp_path, monkeypatch):
+    """Training runs on one thread whatever the caller set: two threads give the bit-identical checkpoint."""
+    one = pt.pretrain(env, "test", 0.2, max_steps=2000, seed=3)
+    monkeypatch.setenv("LAB_CACHE_DIR", str(tmp_path / "other"))
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        two = pt.pretrain(env, "test", 0.2, max_steps=2000, seed=3)
+    finally:
+        torch.set_num_threads(before)
+    assert two.trained and torch.equal(one.theta, two.theta) and one.steps == two.steps
+
+
+@pytest.mark.slow
+def test_a_stalled_run_restarts_from_fresh_draws_and_records_its_try(cache, env, monkeypatch):
+    """A first try that cannot reach the target (its budget cut to 0 steps) hands over to the next try, drawn from the
+    seed's next streams; the checkpoint says which try reached it, and equals a run of that try alone."""
+    real = pt._train
+    tries = []
+
+    def first_stalls(env_, policy, target, max_steps, seed, attempt, device, progress):
+        tries.append(attempt)
+        return real(env_, policy, target, 0 if attempt == 0 else max_steps, seed, attempt, device, progress)
+
+    monkeypatch.setattr(pt, "_train", first_stalls)
+    ck = pt.pretrain(env, "test", 0.2, max_steps=2000, seed=0)
+    assert tries == [0, 1] and ck.trained and ck.accuracy >= 0.2
+    record = torch.load(ck.path, weights_only=True)
+    assert record["try"] == 2
+    alone = real(env, TransformerPolicy.for_env(env, "test"), 0.2, 2000, 0, 1, torch.device("cpu"), False)
+    assert torch.equal(alone[0].float(), ck.theta) and alone[1] == ck.steps

@@ -31,7 +31,7 @@ from lab import estimators
 from lab.errors import LabError
 from lab.teach import hashrng, tokens
 from lab.teach.exercises import Exercise
-from lab.teach.threads import single_threaded
+from lab.threads import single_threaded
 from dataclasses import dataclass
 
 from lab.configs import SEED_MAX

@@ -35,7 +35,7 @@ from lab.errors import LabError
 from lab.estimators.gvpo import gvpo_weights
 from lab.teach import hashrng, tokens
 from lab.teach.exercises import Exercise
-from lab.teach.threads import single_threaded
+from lab.threads import single_threaded
 from dataclasses import dataclass
 
 from lab.configs import SEED_MAX

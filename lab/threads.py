@@ -1,4 +1,5 @@
-"""One torch thread while a lesson runs its tiny tensors (thread start-up costs more than the work on 2 cores)."""
+"""One torch thread: for a lesson's tiny tensors (thread start-up costs more than the work on 2 cores), and for the
+supervised warm start, whose result must not depend on the machine's thread count (``lab.pretrain``)."""
 from __future__ import annotations
 
 import contextlib
