@@ -30,7 +30,8 @@ reports: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
 
-# the tests not marked slow (the marked ones build reports, train models or run sweeps)
+# the unit and contract tests: those not marked slow (the marked ones build reports, train or load models, run sweeps
+# or whole lab processes; conftest.py marks every user of a fixture that builds reports or trains)
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not slow"
 

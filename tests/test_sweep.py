@@ -163,6 +163,7 @@ def test_ray_and_local_executors_give_identical_results(tmp_path, reference):
 
 
 # ------------------------------------------------------------------------------------------ results
+@pytest.mark.slow
 def test_load_results_shapes(reference):
     out, steps, runs = reference
     # 8 cells; a cell makes steps x minibatches updates: 60 x 1 or 60 x 4 rows

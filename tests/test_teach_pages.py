@@ -22,6 +22,9 @@ BOKEH_READY = ("window.Bokeh && Bokeh.documents.length > 0 && Object.keys(Bokeh.
                "document.querySelector('.bk-Column, .bk-root, [class^=bk]') !== null")
 
 
+pytestmark = pytest.mark.slow  # a headless browser and every page built
+
+
 @pytest.fixture(scope="module")
 def built(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("pages")
@@ -51,7 +54,6 @@ def _close(a, b, path="") -> list[str]:
     return [] if ok.all() else [f"{path}: js {x[~ok][:3]} py {y[~ok][:3]}"]
 
 
-@pytest.mark.slow
 def test_pages_are_self_contained(built):
     for page in pages_mod.pages():
         text = (built / f"{page.slug}.html").read_text(encoding="utf-8")
@@ -71,11 +73,7 @@ def test_build_refuses_unknown_lessons_and_files(tmp_path):
         pages_mod.build_pages(tmp_path / "f")
 
 
-SLOW_PAGES = ("sampler_truncation",)  # pages whose check takes more than a few seconds
-
-
-@pytest.mark.parametrize("page", [pytest.param(p, marks=pytest.mark.slow) if p.slug in SLOW_PAGES else p
-                                  for p in pages_mod.pages()], ids=lambda p: p.slug)
+@pytest.mark.parametrize("page", pages_mod.pages(), ids=lambda p: p.slug)
 def test_page_in_headless_chromium(built, browser, page):
     browser.open((built / f"{page.slug}.html").as_uri(), ready=BOKEH_READY)
     assert browser.errors() == []
@@ -124,7 +122,6 @@ def test_page_in_headless_chromium(built, browser, page):
         assert browser.errors() == []
 
 
-@pytest.mark.slow
 def test_truncation_page_equals_python_for_every_sampler(built, browser):
     """The sampler-truncation core in the browser against Python for every kind, staleness and temperature, and the
     knob's slider following the kind (range, integer steps for top-k, its starting value)."""

@@ -110,6 +110,7 @@ def test_a_small_run_reads_back_as_its_summary(smoke):
     assert set(d.focus.picks) == {"transformer", "tabular"} and report.headline("real_model_variance", smoke.summary)
 
 
+@pytest.mark.slow
 def test_table_stars_the_lowest_mse_per_column(smoke):
     s = report.summary_of(smoke.summary)
     shown = report.mse_table(smoke.summary).data.set_index("estimator")
@@ -121,6 +122,7 @@ def test_table_stars_the_lowest_mse_per_column(smoke):
         assert all(shown.loc[e, col].endswith(interval(*ests[e].rel_mse)) for e in ests)
 
 
+@pytest.mark.slow
 def test_figures_draw_one_line_per_estimator_per_panel_in_its_colour(smoke):
     for fig in (report.mse_figure(smoke.results), report.exact_bias_figure(smoke.results)):
         assert [ax.get_title() for ax in fig.axes] == ["transformer, T = 2", "tabular (same π₀), T = 2"]

@@ -55,7 +55,8 @@ def test_the_study_runs_small_and_reads_back_its_sweeps(tmp_path):
         study.Config(results=str(tmp_path / "nothing")).validate()
 
 
-@pytest.mark.parametrize("name", ["sync", "async", "mismatch", pytest.param("truncation", marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["sync", "async", "mismatch", "truncation"])
 def test_the_full_tables_specs_are_valid_sweeps(name):
     spec = load_spec(study.SWEEPS / f"real_staleness_{name}.yaml")
     cells = expand(spec)
