@@ -141,6 +141,7 @@ def cmd_sweep(args) -> int:
             raise
         print(f"error: interrupted; the finished cells are kept in {out}: rerun the same command to resume",
               file=sys.stderr)
+        _interrupt_handled()
         return 130
     print(f"wrote {out}: {counts['done']} cells run, {counts['skipped']} already done, {counts['total']} in all")
     return 0
@@ -328,7 +329,21 @@ def main(argv=None) -> int:
         return 2
     except KeyboardInterrupt:
         _say("error: interrupted; nothing half-written was kept")
+        _interrupt_handled()
         return 130
+
+
+def _interrupt_handled() -> None:
+    """CPython (3.11) marks a KeyboardInterrupt as unhandled when it leaves a nested ``PyRun_*`` call (C code that
+    runs Python), even when Python code catches it afterwards, and then ends the process by SIGINT instead of with
+    its exit status: the shell would see 130 either way, a parent process -2 instead of 130. The interrupt was
+    handled here (staging removed, one line said), so the mark is cleared."""
+    import ctypes
+
+    try:
+        ctypes.c_int.in_dll(ctypes.pythonapi, "_Py_UnhandledKeyboardInterrupt").value = 0
+    except (ValueError, AttributeError, OSError):  # another interpreter, or the symbol not exported
+        pass
 
 
 def _say(line: str) -> None:
