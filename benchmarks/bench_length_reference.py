@@ -34,7 +34,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from benchmarks.common import finish, load  # noqa: E402
+from benchmarks.common import finish_checks, load  # noqa: E402
 
 import toy_envs  # noqa: E402
 from lab.engine import dp  # noqa: E402
@@ -155,11 +155,7 @@ def main() -> int:
         print(f"beyond the budget, refused in {time.perf_counter() - t:.2f} s: {refused}")
     checks.append(("a length study beyond the budget is one line before any work", bool(refused)
                    and "\n" not in refused))
-    print()
-    for name, ok in checks:
-        print(f"{'ok  ' if ok else 'FAIL'} {name}")
-    return finish(meta, t0, [{"check": n, "ok": bool(ok)} for n, ok in checks], rows, args.json,
-                  all(ok for _, ok in checks))
+    return finish_checks(meta, t0, checks, rows, args.json)
 
 
 if __name__ == "__main__":

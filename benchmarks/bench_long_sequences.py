@@ -45,7 +45,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from benchmarks.common import finish, load  # noqa: E402
+from benchmarks.common import finish_checks, load  # noqa: E402
 
 import toy_envs  # noqa: E402
 from lab import advantages as adv_mod  # noqa: E402
@@ -299,11 +299,7 @@ def main(argv=None) -> int:
         if r["section"] == "reference" and "pilot_z" in r["mc_1pct"]:
             z = r["mc_1pct"]["pilot_z"]
             checks.append((f"T={r['T']}: MC pilot agrees with the DP along grad J (z = {z:.2f}, |z| < 4)", abs(z) < 4))
-    print()
-    for name, ok in checks:
-        print(f"{'ok  ' if ok else 'FAIL'} {name}")
-    return finish(meta, t0, [{"check": n, "ok": bool(ok)} for n, ok in checks], rows, args.json,
-                  all(ok for _, ok in checks))
+    return finish_checks(meta, t0, checks, rows, args.json)
 
 
 if __name__ == "__main__":

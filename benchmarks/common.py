@@ -38,6 +38,15 @@ def matmul_rate(device: str, n: int = 1024, repeats: int = 5) -> float:
     return 2 * n**3 / best
 
 
+def finish_checks(meta: dict, t_start: float, checks: list[tuple[str, bool]], rows: list, json_path: str | None) -> int:
+    """Print each (name, ok) check with ok / FAIL, then ``finish``."""
+    print()
+    for name, ok in checks:
+        print(f"{'ok  ' if ok else 'FAIL'} {name}")
+    return finish(meta, t_start, [{"check": n, "ok": bool(ok)} for n, ok in checks], rows, json_path,
+                  all(ok for _, ok in checks))
+
+
 def finish(meta: dict, t_start: float, checks: list, rows: list, json_path: str | None, all_ok: bool) -> int:
     """Print the load and wall time, write every number to ``json_path`` if given, and return the exit status: 1 if
     a check failed."""
