@@ -9,8 +9,8 @@ import torch
 import toy_envs
 from lab import estimators
 from lab.engine.exact import exact_support
-from lab.estimators import vespo as V
 from lab.policies import init_params, make_policy, sample, token_log_probs
+from lab.studies.vespo_bound.tests.hand import wide_bound
 from lab.studies.vespo_bound import bound as vb
 
 
@@ -88,24 +88,9 @@ def test_sampled_phi_mean_estimates_the_exact_Z():
     assert abs(float((phis**2).mean()) - t["phi2"]) < 4 * float((phis**2).std()) / math.sqrt(n)
 
 
-def _wide_bound():
-    """A bound table by hand: two kinds, three kernels (one without K), two seeds; ratios known."""
-    rows = []
-    for seed in (0, 1):
-        for kind, values in (("lag", [0.0, 4.0]), ("temperature", [0.5, 2.0])):
-            for i, v in enumerate(values):
-                for k, lam in ((2.0, 3.0), (1.0, 1.0), (0.5, 1.0)):
-                    K = V.bound_constant(k, lam)
-                    ratio = 0.2 + 0.1 * i + 0.05 * seed + 0.3 * (k == 2.0) if math.isfinite(K) else math.nan
-                    rows.append({"env": "tiny_target", "policy": "prefix", "seed": seed, "staleness_kind": kind,
-                                 "staleness": v, "k": k, "lam": lam, "kernel": vb.kernel_label(k, lam), "Z": 1.0,
-                                 "C": 1.0, "K": K, "phi2": 0.5 + i, "bound": 1.0 + 2 * i, "ratio": ratio,
-                                 "w2": 1.0 + 10 * i, "floor_mass": 0.0, "kl_token": 0.1 * i, "chi2_seq": 10.0 * i})
-    return pd.DataFrame(rows)
-
 
 def test_bound_rows_undo_the_tidy_table():
-    wide = _wide_bound()
+    wide = wide_bound()
     other = pd.DataFrame([{"env": "tiny_target", "policy": "prefix", "seed": 0, "staleness_kind": "lag",
                            "staleness": 0.0, "metric": "kl_token", "value": 0.0, "part": "variance", "estimator": "-",
                            "lo": 0.0, "hi": 0.0}])

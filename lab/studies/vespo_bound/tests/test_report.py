@@ -4,14 +4,14 @@ import json
 import math
 
 import numpy as np
-import pandas as pd
 import pytest
 
 from lab.estimators import vespo as V
 from lab.reports import style
 from lab.runs import write_json
+from lab.studies.vespo_bound.tests.hand import wide_bound
 from lab.studies.vespo_bound import figures, report
-from lab.studies.vespo_bound.bound import kernel_label, tidy_bound
+from lab.studies.vespo_bound.bound import tidy_bound
 
 
 def _per_kernel(k, lam, max_ratio, median_ratio):
@@ -109,24 +109,9 @@ def test_the_answer_renders_every_decision(tmp_path):
     assert report.answer(json.loads((tmp_path / "summary.json").read_text())) == text
 
 
-def _wide_bound():
-    """A bound table by hand: two kinds, three kernels (one without K), two seeds; ratios known."""
-    rows = []
-    for seed in (0, 1):
-        for kind, values in (("lag", [0.0, 4.0]), ("temperature", [0.5, 2.0])):
-            for i, v in enumerate(values):
-                for k, lam in ((2.0, 3.0), (1.0, 1.0), (0.5, 1.0)):
-                    K = V.bound_constant(k, lam)
-                    ratio = 0.2 + 0.1 * i + 0.05 * seed + 0.3 * (k == 2.0) if math.isfinite(K) else math.nan
-                    rows.append({"env": "tiny_target", "policy": "prefix", "seed": seed, "staleness_kind": kind,
-                                 "staleness": v, "k": k, "lam": lam, "kernel": kernel_label(k, lam), "Z": 1.0,
-                                 "C": 1.0, "K": K, "phi2": 0.5 + i, "bound": 1.0 + 2 * i, "ratio": ratio,
-                                 "w2": 1.0 + 10 * i, "floor_mass": 0.0, "kl_token": 0.1 * i, "chi2_seq": 10.0 * i})
-    return pd.DataFrame(rows)
-
 
 def test_bound_figures_draw_the_table():
-    wide = _wide_bound()
+    wide = wide_bound()
     fig = figures.bound_figure(tidy_bound(wide))
     axes = fig.axes
     assert [ax.get_title() for ax in axes] == ["lag", "sampling temperature of μ"]
