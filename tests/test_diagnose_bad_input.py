@@ -166,3 +166,36 @@ def test_json_lines_beyond_the_bounds_are_refused_by_both_parsers(text, refusal)
         else:
             with pytest.raises(LabError, match=f"^x: {refusal}"):
                 parse(text.encode(), "x")
+
+
+@pytest.mark.parametrize("signum", ["SIGINT", "SIGTERM"])
+@pytest.mark.slow
+def test_an_interrupted_diagnose_is_one_line_130_and_leaves_nothing(signum, tmp_path):
+    """``python -m lab.diagnose`` stopped during its pass (Ctrl-C or a scheduler's SIGTERM): one line, exit 130, no
+    traceback, no staging folder."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    from lab.diagnose.synthetic import random_log
+
+    log = random_log(tmp_path / "log", 3_000_000, lengths=(64, 1024))
+    out = tmp_path / "out"
+    out.mkdir()
+    env = {**os.environ, "LAB_QUIET": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "lab.diagnose", str(log), "--out", str(out / "run")],
+                            cwd=Path(__file__).resolve().parents[1], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 60
+    while not list(out.glob(".run.lab-*")):  # its staging folder exists: the pass has started
+        assert proc.poll() is None and time.time() < deadline, proc.stderr.read()
+        time.sleep(0.01)
+    proc.send_signal(getattr(signal, signum))
+    proc.wait(timeout=60)
+    err = proc.stderr.read().replace("\r", "\n").strip().splitlines()
+    assert proc.returncode == 130 and err[-1] == "error: interrupted; nothing half-written was kept", err
+    assert not any("Traceback" in line for line in err), err
+    assert list(out.iterdir()) == []

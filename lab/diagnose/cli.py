@@ -11,7 +11,6 @@ verdict is printed only once everything is.
 """
 from __future__ import annotations
 
-import argparse
 import errno
 import json
 import os
@@ -326,18 +325,9 @@ def _os_error_text(e: OSError, source: Path) -> str:
             f"written; free space or choose another --out / --save-log")
 
 
-class _OneLineParser(argparse.ArgumentParser):
-    def error(self, message):  # one line, not usage + message
-        raise LabError(f"{message} (see `{self.prog} --help`)")
-
-
 def main(argv=None) -> int:
-    """``python -m lab.diagnose ...``: the same command outside the ``lab`` entry point."""
-    parser = _OneLineParser(prog="lab")
-    add_parser(parser.add_subparsers(dest="command", required=True))
-    try:
-        args = parser.parse_args(["diagnose", *(sys.argv[1:] if argv is None else argv)])
-        return args.func(args)
-    except LabError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    """``python -m lab.diagnose ...``: the ``lab diagnose`` command outside the ``lab`` entry point, through the same
+    main (one line and exit 2 on bad input, 130 on an interrupt, the same handling of SIGTERM and a closed pipe)."""
+    from lab.cli import main as lab_main
+
+    return lab_main(["diagnose", *(sys.argv[1:] if argv is None else argv)])
