@@ -188,7 +188,7 @@ def test_an_interrupted_diagnose_is_one_line_130_and_leaves_nothing(signum, tmp_
     env = {**os.environ, "LAB_QUIET": "1"}
     proc = subprocess.Popen([sys.executable, "-m", "lab.diagnose", str(log), "--out", str(out / "run")],
                             cwd=Path(__file__).resolve().parents[1], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=subprocess.PIPE, text=True, preexec_fn=_default_sigint)
     deadline = time.time() + 60
     while not list(out.glob(".run.lab-*")):  # its staging folder exists: the pass has started
         assert proc.poll() is None and time.time() < deadline, proc.stderr.read()
@@ -199,3 +199,10 @@ def test_an_interrupted_diagnose_is_one_line_130_and_leaves_nothing(signum, tmp_
     assert proc.returncode == 130 and err[-1] == "error: interrupted; nothing half-written was kept", err
     assert not any("Traceback" in line for line in err), err
     assert list(out.iterdir()) == []
+
+
+def _default_sigint() -> None:
+    """Ctrl-C's default in the child, whatever this process inherited (a background job's shell ignores SIGINT)."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_DFL)

@@ -3,6 +3,7 @@ wrote, temporary files are never written through links, a lock belongs to its ho
 line with exit 2 and nothing left on disk."""
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -300,7 +301,9 @@ def test_a_full_disk_is_one_line_and_keeps_the_previous_run(tmp_path):
 def _start_train(out: Path) -> subprocess.Popen:
     proc = subprocess.Popen([sys.executable, "-m", "lab.cli", "train", "--steps", "100000", "--rollout-log",
                              "--out", str(out)], cwd=ROOT, env={**os.environ, "LAB_QUIET": "1"},
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # a background job's
+    # shell starts its children with SIGINT ignored; Ctrl-C's default here
     deadline = time.time() + 60
     while not list(out.parent.glob(f".{out.name}.lab-*")):  # its staging folder exists: it is writing
         assert proc.poll() is None and time.time() < deadline, proc.stderr.read()
