@@ -349,7 +349,10 @@ def staleness_figure(summary: dict):
             v = [p[1] for p in pts]
             ax.errorbar(T, [x[0] for x in v], yerr=[[x[0] - x[1] for x in v], [x[2] - x[0] for x in v]], marker="o",
                         ms=4, capsize=2, color=color(e), label=e)
-        ax.set_xscale("log")
+        ax.set_xscale("log", base=2)
+        lengths = [o.length for o in orders]
+        ax.set_xticks(lengths, [str(t) for t in lengths])  # the lengths trained, not powers of ten
+        ax.minorticks_off()
         ax.set_xlabel("answer length T")
         ax.set_ylabel("final held-out accuracy (IQM)")
         ax.set_title(f"{study}, {'N' if study == 'sync' else 'η'} = {d.settings[study]}")

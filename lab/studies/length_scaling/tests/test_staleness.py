@@ -137,6 +137,18 @@ def test_the_full_tables_specs_are_valid_sweeps_over_length(name):
     assert list(ours.grid) == list(spec.grid) and ours.grid["env_overrides"] == spec.grid["env_overrides"]
 
 
+@pytest.mark.parametrize("name", ["sync", "async"])
+def test_the_cpu_tables_specs_are_the_full_tables_cut_down(name):
+    """The CPU-sized specs (the runs the README quotes) are sub-grids of the full tables' specs with the same name and
+    base, so the full spec run into the same folder reuses their cells."""
+    full = load_spec(staleness.SWEEPS / f"length_transformer_{name}.yaml")
+    cpu = load_spec(staleness.SWEEPS / f"length_transformer_{name}_cpu.yaml")
+    assert cpu.name == full.name and cpu.base == full.base and list(cpu.grid) == list(full.grid)
+    for key, values in cpu.grid.items():
+        assert all(v in full.grid[key] or key == "env_overrides" for v in values), key
+    assert [o["difficulty"] for o in cpu.grid["env_overrides"]] == [6, 32, 64]
+    assert len(expand(cpu)) == (135 if name == "sync" else 90)
+
 @pytest.mark.slow
 def test_the_section_runs_small_and_reads_back_its_sweeps(tmp_path):
     """Two short copy tasks (3 and 4 digits) on the test-size transformer, two seeds: the report's own sweeps, then
