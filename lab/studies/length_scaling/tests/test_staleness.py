@@ -147,7 +147,7 @@ def test_the_cpu_tables_specs_are_the_full_tables_cut_down(name):
     for key, values in cpu.grid.items():
         assert all(v in full.grid[key] or key == "env_overrides" for v in values), key
     assert [o["difficulty"] for o in cpu.grid["env_overrides"]] == [6, 32, 64]
-    assert len(expand(cpu)) == (135 if name == "sync" else 90)
+    assert len(expand(cpu)) == (225 if name == "sync" else 150)
 
 @pytest.mark.slow
 def test_the_section_runs_small_and_reads_back_its_sweeps(tmp_path):
