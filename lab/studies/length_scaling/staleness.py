@@ -73,25 +73,11 @@ class Table:
         env = toy_envs.make(self.env)
         return {"difficulty": int(length) - (env.length - env.difficulty)}
 
-    def base(self) -> dict:
-        return {"env": self.env, "policy": "transformer", "size": self.size, "warm_start": self.warm_start,
-                "steps": self.steps, "rollout_batch": self.rollout_batch, "group_size": self.group_size,
-                "lr": self.lr, "device": self.device}
-
     def specs(self) -> dict[str, SweepSpec]:
-        """The sweeps by study name (an empty settings list leaves its study out)."""
-        base, specs, ests, seeds = self.base(), {}, list(self.estimators), list(self.seeds)
-        lengths = [self.overrides(t) for t in self.lengths]
-        if self.minibatches:
-            specs["sync"] = SweepSpec("length_transformer_sync", {**base, "regime": "sync"},
-                                      {"estimator": ests, "minibatches": list(self.minibatches),
-                                       "env_overrides": lengths, "seed": seeds})
-        if self.etas:
-            stale = {"minibatches": self.async_minibatches, "lag_max": self.lag_max, "over_stale": self.over_stale}
-            specs["async"] = SweepSpec("length_transformer_async", {**base, **stale, "regime": "async"},
-                                       {"estimator": ests, "eta": list(self.etas), "env_overrides": lengths,
-                                        "seed": seeds})
-        return specs
+        """The sweeps by study name: real_staleness_training's sync and async sweeps with the lengths as one more axis
+        (an empty settings list leaves its study out)."""
+        return real.staleness_specs(self, "length_transformer",
+                                    {"env_overrides": [self.overrides(t) for t in self.lengths]})
 
     def validate(self) -> None:
         """One line for bad input before any run: the lengths, then every cell of every sweep (each run's memory

@@ -70,6 +70,28 @@ STUDIES = ("sync", "async", "mismatch", "truncation")
 SWEEPS = Path(__file__).parent / "sweeps"  # the full table's specs
 
 
+def transformer_base(t) -> dict:
+    """The base of every sweep of a transformer staleness table: the model, its warm start and the RL run (the fields
+    of ``t``, this study's Config or length_scaling's staleness Table)."""
+    return {"env": t.env, "policy": "transformer", "size": t.size, "warm_start": t.warm_start, "steps": t.steps,
+            "rollout_batch": t.rollout_batch, "group_size": t.group_size, "lr": t.lr, "device": t.device}
+
+
+def staleness_specs(t, prefix: str, axes: dict | None = None) -> dict[str, SweepSpec]:
+    """The sync sweep (estimator x N x seed) and the async one (estimator x eta x seed, at ``async_minibatches``,
+    ``lag_max``, ``over_stale``) of ``t``, named PREFIX_sync and PREFIX_async, with ``axes`` (more grid axes) before
+    the seeds; an empty settings list leaves its sweep out."""
+    base, ests, seeds, more, specs = transformer_base(t), list(t.estimators), list(t.seeds), axes or {}, {}
+    if t.minibatches:
+        specs["sync"] = SweepSpec(f"{prefix}_sync", {**base, "regime": "sync"},
+                                  {"estimator": ests, "minibatches": list(t.minibatches), **more, "seed": seeds})
+    if t.etas:
+        stale = {"minibatches": t.async_minibatches, "lag_max": t.lag_max, "over_stale": t.over_stale}
+        specs["async"] = SweepSpec(f"{prefix}_async", {**base, **stale, "regime": "async"},
+                                   {"estimator": ests, "eta": list(t.etas), **more, "seed": seeds})
+    return specs
+
+
 @dataclass
 class Config:
     """The real_staleness_training report. The defaults are its small gallery version (minutes on 2 cores); the full
@@ -140,21 +162,10 @@ class Config:
     """aggregate the finished sweeps in this folder (subfolders sync, async, mismatch, truncation, e.g. of the full
     table's specs) instead of running the sweeps above"""
 
-    def base(self) -> dict:
-        return {"env": self.env, "policy": "transformer", "size": self.size, "warm_start": self.warm_start,
-                "steps": self.steps, "rollout_batch": self.rollout_batch, "group_size": self.group_size,
-                "lr": self.lr, "device": self.device}
-
     def specs(self) -> dict[str, SweepSpec]:
         """The sweeps, by study name (an empty settings list leaves its study out)."""
-        base, specs, ests, seeds = self.base(), {}, list(self.estimators), list(self.seeds)
-        if self.minibatches:
-            specs["sync"] = SweepSpec("real_staleness_sync", {**base, "regime": "sync"},
-                                      {"estimator": ests, "minibatches": list(self.minibatches), "seed": seeds})
-        if self.etas:
-            stale = {"minibatches": self.async_minibatches, "lag_max": self.lag_max, "over_stale": self.over_stale}
-            specs["async"] = SweepSpec("real_staleness_async", {**base, **stale, "regime": "async"},
-                                       {"estimator": ests, "eta": list(self.etas), "seed": seeds})
+        specs = staleness_specs(self, "real_staleness")
+        base, ests, seeds = transformer_base(self), list(self.estimators), list(self.seeds)
         if self.sampler_dtypes and self.replay:
             specs["mismatch"] = SweepSpec("real_staleness_mismatch",
                                           {**base, "size": self.mismatch_size, "regime": "mismatch",
