@@ -109,7 +109,7 @@ def _sequence_correction(st, c, usable: np.ndarray) -> dict:
     ids = np.flatnonzero(usable)
     n = st.n_valid[ids]
     W = sequence_weight(c, st.L[c.pair][ids], n)
-    a_seq = np.asarray(st.seq["advantage"], np.float64)[ids]
+    a_seq = st.seq_adv[ids]
     a_seq = np.where(np.isfinite(a_seq), a_seq, st.a_sum[ids])
     coef = c.coefficient(W, np.where(a_seq >= 0, 1.0, -1.0))
     weight = st.a_abs[ids]
@@ -314,7 +314,7 @@ def _staleness_table(st, usable: np.ndarray):
     """(staleness table, staleness summary or None): lag = trainer_version - version_min per sequence (from the
     sequences table), token counts and mean |delta| per lag from the pass."""
     seq = st.seq
-    tv = np.asarray(seq["trainer_version"], np.float64)
+    tv = st.seq_tv
     lag_max = tv - np.asarray(seq["version_min"], np.float64)
     lag_min = tv - np.asarray(seq["version_max"], np.float64)
     known = np.isfinite(lag_max)
