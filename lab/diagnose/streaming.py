@@ -26,6 +26,7 @@ statistics leave out its whole sequence), and the counts are reported in the sum
 """
 from __future__ import annotations
 
+import functools
 import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -72,12 +73,8 @@ class _SeqIndex:
     """Vectorised (run, step, sample_id) -> row of the sequences table."""
 
     def __init__(self, seq: dict):
-        names, first, inverse = np.unique(seq["run"].astype(str), return_index=True, return_inverse=True)
-        rank = np.argsort(first, kind="stable")  # run codes in order of first appearance
-        self.runs = {str(names[j]): i for i, j in enumerate(rank)}
-        code = np.empty(len(names), np.int64)
-        code[rank] = np.arange(len(names))
-        self.rc = code[inverse.reshape(-1)]
+        self.rc, _, names = _in_order_of_appearance(seq["run"].astype(str))
+        self.runs = {str(name): i for i, name in enumerate(names)}
         step, sid = np.asarray(seq["step"], np.int64), np.asarray(seq["sample_id"], np.int64)
         self.steps = np.unique(step)
         self.sids = np.unique(sid)
@@ -111,7 +108,6 @@ class _Chunk:
         self.unique = len(np.unique(run_seq)) == len(run_seq)
         self.s_lo, self.s_hi = int(run_step.min()), int(run_step.max())
         self._seq_idx = None
-        self.step_spans_cached = None
 
     def red(self, x: np.ndarray) -> np.ndarray:
         """Per-run sums of a per-token array (float64)."""
@@ -133,7 +129,8 @@ class _Chunk:
         width = self.s_hi - self.s_lo + 1
         target[self.s_lo:self.s_hi + 1] += np.bincount(rs - self.s_lo, weights=per_run, minlength=width)
 
-    def step_spans(self):
+    @functools.cached_property
+    def step_spans(self) -> list:
         """(step, first row, end row) of each span of consecutive rows of one step."""
         change = np.flatnonzero(self.run_step[1:] != self.run_step[:-1]) + 1
         firsts = np.concatenate(([0], change))
@@ -168,14 +165,9 @@ class _Pass:
         self.corrections = resolve(self.pairs, names, pair, hyper)
         # steps: (run, step) groups numbered in order of first appearance in the sequences table
         step = np.asarray(self.seq["step"], np.int64)
-        _, first, inverse = np.unique(self.index.rc * (len(self.index.steps) + 1) + np.searchsorted(self.index.steps,
-                                                                                                     step),
-                                      return_index=True, return_inverse=True)
-        rank = np.argsort(first, kind="stable")
-        group = np.empty(len(first), np.int64)
-        group[rank] = np.arange(len(first))
-        self.seq_step = group[inverse.reshape(-1)]
-        self.step_groups = {"run": self.seq["run"][first[rank]], "step": step[first[rank]]}
+        run_step = self.index.rc * (len(self.index.steps) + 1) + np.searchsorted(self.index.steps, step)
+        self.seq_step, first, _ = _in_order_of_appearance(run_step)
+        self.step_groups = {"run": self.seq["run"][first], "step": step[first]}
         S = len(first)
         self.S = S
         f64 = lambda *shape: np.zeros(shape, np.float64)  # noqa: E731
@@ -238,7 +230,7 @@ class _Pass:
         lag_run, lag_tok = self._lag_buckets(c, k)
         w_pairs, deltas, ratios = {}, {}, {}
         ds = {p: self._delta(c, p, k) for p in self.pairs}
-        k.step_spans_cached = k.step_spans()
+        k.step_spans  # computed once here, read by every pair's thread
         if self.pool is not None:  # each pair's sums are its own: the pairs run side by side (numpy frees the GIL)
             futures = {p: self.pool.submit(self._add_pair, p, ds[p], k, pb, low, lag_run, lag_tok) for p in ds}
             max_abs_of = {p: f.result() for p, f in futures.items()}
@@ -447,7 +439,7 @@ class _Pass:
         """Histogram of the valid tokens' delta per step (rows that are not valid have delta 0: they are taken
         back out of the central bin)."""
         b = H.bin_index(d)
-        for s, lo, hi in k.step_spans_cached:
+        for s, lo, hi in k.step_spans:
             hist[s] += np.bincount(b[lo:hi], minlength=H.NBINS)
         if k.invalid is not None:
             width = k.s_hi - k.s_lo + 1
@@ -522,6 +514,16 @@ class _Pass:
             dropped = f" ({total_bad} dropped by --nan drop)" if total_bad else ""
             raise LabError(f"{self.log.path}: nothing to diagnose: {what}{dropped}; the log needs loss-masked tokens "
                            f"with log-probs")
+
+
+def _in_order_of_appearance(keys: np.ndarray):
+    """(code of each row, first row of each code, each code's key): the distinct keys numbered 0, 1, ... in the order
+    of their first row."""
+    keys_sorted, first, inverse = np.unique(keys, return_index=True, return_inverse=True)
+    rank = np.argsort(first, kind="stable")
+    code = np.empty(len(first), np.int64)
+    code[rank] = np.arange(len(first))
+    return code[inverse.reshape(-1)], first[rank], keys_sorted[rank]
 
 
 def _lag_bucket(lag: np.ndarray) -> np.ndarray:
