@@ -4,9 +4,15 @@ from __future__ import annotations
 
 import errno
 import json
+import os
 import pickle
+import subprocess
+import sys
+import warnings
+from pathlib import Path
 
 import numpy as np
+import pyarrow.parquet as pq
 import pytest
 import torch
 
@@ -14,6 +20,7 @@ from lab.diagnose import RolloutLogWriter, make_meta
 from lab.diagnose.cli import main
 from test_diagnose_adapters import prime_record, write_prime_export
 
+ROOT = Path(__file__).resolve().parents[1]
 META = make_meta("t", {"sampler_logp": "mu", "old_logp": "old", "current_logp": None})
 
 
@@ -206,3 +213,55 @@ def _default_sigint() -> None:
     import signal
 
     signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def test_a_captured_bad_run_is_one_line_without_progress_bars(tmp_path):
+    """Progress bars are drawn on a terminal only: a caller that captures the output of a log that fails in the
+    middle of the pass reads the error line and nothing else, without setting LAB_QUIET."""
+    s = -torch.rand(4, 3)
+    s[3, 2] = float("nan")
+    log = lab_log(tmp_path / "log", s, s.clone())
+    env = {k: v for k, v in os.environ.items() if k not in ("LAB_QUIET", "CI")}
+    r = subprocess.run([sys.executable, "-m", "lab.diagnose", str(log), "--out", str(tmp_path / "run")], cwd=ROOT,
+                       env={**env, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and r.stdout == ""
+    assert r.stderr.count("\n") == 1 and "\r" not in r.stderr and r.stderr.startswith("error: "), r.stderr
+    assert "sampler_logp is missing or NaN" in r.stderr and not (tmp_path / "run").exists()
+
+
+def test_a_tokens_file_without_its_run_column_is_one_line(tmp_path, capsys):
+    log = lab_log(tmp_path / "log", -torch.rand(2, 3), -torch.rand(2, 3))
+    f = log / "tokens.parquet"
+    pq.write_table(pq.read_table(f).drop(["run"]), f)
+    err = one_line(capsys, main([str(log), "--out", str(tmp_path / "run")]))
+    assert str(f) in err and "run" in err and not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("logp", [-1e4, -1e30, -3e38])
+def test_a_finite_log_prob_far_below_any_softmax_is_diagnosed_without_warnings(logp, tmp_path, capsys):
+    """A sampler log-prob such as a masking constant (finite, e^logp underflows to 0) makes a delta far beyond
+    float64's exp: the weights are infinite and reported so, with no numpy warning on the way."""
+    s = -torch.rand(4, 5)
+    s[:, 2] = logp  # every sequence: the median weight is beyond float64 too
+    old = -torch.rand(4, 5)
+    log = lab_log(tmp_path / "log", s, old)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert main([str(log), "--out", str(tmp_path / "run")]) == 0
+    assert capsys.readouterr().err == ""
+    overall = pq.read_table(tmp_path / "run" / "overall.parquet").to_pandas().set_index("pair")
+    assert overall.loc["mismatch", "max_abs"] == float((old[:, 2] - s[:, 2]).max())  # the float32 difference
+
+
+@pytest.mark.parametrize("edit, needle", [
+    (lambda m: m.pop("source"), "'source' must name what wrote the log"),
+    (lambda m: m.update(source=7), "'source' must name what wrote the log"),
+    (lambda m: m.update(notes=[{"a": 1}]), "'notes' must be a list of strings"),
+])
+def test_metadata_the_report_reads_is_checked_before_the_pass(edit, needle, tmp_path, capsys):
+    log = lab_log(tmp_path / "log", -torch.rand(2, 3), -torch.rand(2, 3))
+    meta = json.loads((log / "meta.json").read_text())
+    edit(meta)
+    (log / "meta.json").write_text(json.dumps(meta))
+    err = one_line(capsys, main([str(log), "--out", str(tmp_path / "run")]))
+    assert needle in err and "meta.json" in err and not (tmp_path / "run").exists()

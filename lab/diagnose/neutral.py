@@ -403,7 +403,10 @@ class RolloutLog:
     @staticmethod
     def _open(file: Path, buffer_size: int = 0) -> pq.ParquetFile:
         try:
-            return pq.ParquetFile(file, read_dictionary=["run"], buffer_size=buffer_size, pre_buffer=False)
+            try:
+                return pq.ParquetFile(file, read_dictionary=["run"], buffer_size=buffer_size, pre_buffer=False)
+            except KeyError:  # no `run` column: open it as it is, the schema check names what is missing
+                return pq.ParquetFile(file, buffer_size=buffer_size, pre_buffer=False)
         except (pa.ArrowInvalid, OSError) as e:
             raise LabError(f"{file}: not a readable parquet file ({str(e).splitlines()[0]})") from None
 

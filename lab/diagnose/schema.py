@@ -133,6 +133,9 @@ def check_meta(meta, file: Path) -> dict:
     if meta.get("format_version") != FORMAT_VERSION:
         raise LabError(f"{file}: format_version {meta.get('format_version')!r} is not supported (this lab reads "
                        f"{FORMAT_VERSION})")
+    source = meta.get("source")
+    if not isinstance(source, str) or not source.strip():
+        raise LabError(f"{file}: 'source' must name what wrote the log (a non-empty string), got {source!r}")
     logp = meta.get("logp")
     if not isinstance(logp, dict) or set(logp) != set(LOGP_COLUMNS):
         raise LabError(f"{file}: 'logp' must map exactly {', '.join(LOGP_COLUMNS)} to a description or null")
@@ -159,7 +162,8 @@ def check_meta(meta, file: Path) -> dict:
     width = meta.get("batch_width")
     if width is not None and (not isinstance(width, int) or isinstance(width, bool) or width < 1):
         raise LabError(f"{file}: batch_width must be null or a positive integer, got {width!r}")
-    if not isinstance(meta.get("notes", []), list):
+    notes = meta.get("notes", [])
+    if not isinstance(notes, list) or not all(isinstance(n, str) for n in notes):
         raise LabError(f"{file}: 'notes' must be a list of strings")
     return meta
 

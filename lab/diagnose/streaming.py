@@ -577,7 +577,8 @@ def _diagnose(log, nan, pair, hyper, corrections, chunk_rows, progress, seed) ->
             st.pool = None
     st.finish_checks()
     from lab.diagnose.tables import build  # tables and verdict from the accumulated state
-    return build(st, seed=seed)
+    with np.errstate(over="ignore"):  # a weight beyond float64 (|L| > 709) is reported as inf, not warned about
+        return build(st, seed=seed)
 
 
 __all__ = ["CHUNK_ROWS", "Diagnostics", "KHAT_WARN", "LOW_P", "PAIRS", "PAIR_TEXT", "P_EDGES", "check_options",
