@@ -237,45 +237,111 @@ def test_prime_rl_distillation_tokens_leave_the_loss_mask(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------------ NeMo-RL
-def nemo_rl_log(folder, step, rng, B=4, prompt=3):
-    """grpo.py's training-data log: Logger.log_batched_dict_as_jsonl of token_ids, token_loss_mask, ... padded to
-    the batch's longest sequence; one json.dumps({**sample, "idx": i}) line per sample."""
-    lens = rng.integers(prompt + 2, prompt + 9, B)
-    S = int(lens.max())
-    tok_mask = np.zeros((B, S), int)
-    for i, n in enumerate(lens):
-        tok_mask[i, prompt:n] = 1
+def nemo_rl_log(folder, step, rng, B=6, G=2, force_on_policy=False, token_ids=True, fields=None):
+    """grpo.py's training-data log (f11f99c79 and later; grpo_sync.py without token_ids when it did not stash
+    them): B samples, G generations per prompt (repeat_interleave), right-padded to the batch's longest;
+    Logger.log_batched_dict_as_jsonl writes json.dumps({**batch.slice(i, i + 1), "idx": i}, default=str), so each
+    value is the batch's, sliced to a one-element list. force_on_policy: prev_logprobs = zeros_like(generation_
+    logprobs) (e7266a92f). ``fields``: only those keys (earlier releases)."""
+    prompts = [rng.integers(0, 999, int(rng.integers(2, 6))) for _ in range(B // G)]
+    prompts[-1] = prompts[0].copy()  # the same prompt drawn twice: NeMo-RL's baseline pools them
+    lens, rows = [], []
+    for i in range(B):
+        p, r = prompts[i // G], rng.integers(0, 999, int(rng.integers(2, 9)))
+        rows.append((p, r))
+        lens.append(len(p) + len(r))
+    S = max(lens) + 1  # make_sequence_length_divisible_by rounds up
+    tok_mask, ids = np.zeros((B, S), int), np.zeros((B, S), int)
+    for i, (p, r) in enumerate(rows):
+        ids[i, :lens[i]] = np.r_[p, r]
+        tok_mask[i, len(p):lens[i]] = 1
+        if i == 1:
+            tok_mask[i, len(p) + 1] = 0  # a tool output inside the response
     gen = np.where(tok_mask > 0, -rng.exponential(1.0, (B, S)), 0.0).astype(np.float32)
     prev = np.where(tok_mask > 0, gen + rng.normal(0, 0.05, (B, S)), 0.0).astype(np.float32)
-    sample_mask = np.array([1, 1, 0, 1])[:B]
+    sample_mask = np.ones(B, np.float32)
+    sample_mask[2] = 0.0  # loss_multiplier: truncated
     data = {"content": [f"sample {i}" for i in range(B)], "rewards": rng.random(B).tolist(),
-            "input_lengths": lens.tolist(), "token_ids": rng.integers(0, 999, (B, S)).tolist(),
-            "token_loss_mask": tok_mask.tolist(), "sample_loss_mask": sample_mask.tolist(),
-            "advantages": np.repeat(rng.normal(size=(B, 1)), S, 1).tolist(),
-            "generation_logprobs": gen.tolist(), "prev_logprobs": prev.tolist()}
+            "input_lengths": lens, "token_ids": ids.tolist(), "token_loss_mask": tok_mask.tolist(),
+            "sample_loss_mask": sample_mask.tolist(), "advantages": np.repeat(rng.normal(size=(B, 1)), S, 1).tolist(),
+            "generation_logprobs": gen.tolist(), "prev_logprobs": (0 * prev if force_on_policy else prev).tolist()}
+    if not token_ids:
+        del data["token_ids"]
+    if fields:
+        data = {k: data[k] for k in fields}
     with open(folder / f"train_data_step{step}.jsonl", "w") as f:
         for i in range(B):
-            f.write(json.dumps({**{k: v[i] for k, v in data.items()}, "idx": i}, default=str) + "\n")
-    return data
+            f.write(json.dumps({**{k: v[i:i + 1] for k, v in data.items()}, "idx": i}, default=str) + "\n")
+    return data, [i // G if i // G < B // G - 1 else 0 for i in range(B)], [len(p) for p, _ in rows]
 
 
-def test_nemo_rl_training_data_log(tmp_path):
+def _nemo_rl_check(tok, seq, made, run=""):
+    deltas = []
+    for s, (data, groups, plen) in made.items():
+        sel = seq[(seq["step"] == s) & (seq["run"] == run)].sort_values("sample_id")
+        assert sel["group_id"].tolist() == groups if "token_ids" in data else sel["group_id"].isna().all()
+        assert sel["reward"].tolist() == data["rewards"]
+        for i, n in enumerate(data["input_lengths"]):
+            rows = tok[(tok["step"] == s) & (tok["sample_id"] == i) & (tok["run"] == run)]
+            a = plen[i]
+            np.testing.assert_array_equal(rows["position"], np.arange(n - a))
+            if "token_ids" in data:
+                np.testing.assert_array_equal(rows["token_id"], data["token_ids"][i][a:n])
+            else:
+                assert rows["token_id"].isna().all()
+            m = (np.array(data["token_loss_mask"][i][a:n]) > 0) & bool(data["sample_loss_mask"][i])
+            np.testing.assert_array_equal(rows["loss_mask"], m)
+            g, p = (np.array(data[k][i][a:n], np.float32) for k in ("generation_logprobs", "prev_logprobs"))
+            np.testing.assert_array_equal(rows["sampler_logp"].to_numpy(np.float32), g)
+            np.testing.assert_array_equal(rows["old_logp"].to_numpy(np.float32), p)
+            deltas.append((p - g)[m])
+    return deltas
+
+
+@pytest.mark.parametrize("token_ids", [True, False])
+def test_nemo_rl_training_data_log(tmp_path, token_ids):
     rng = np.random.default_rng(5)
     folder = tmp_path / "logs" / "exp_001"
     folder.mkdir(parents=True)
-    made = {s: nemo_rl_log(folder, s, rng) for s in (1, 2)}
+    made = {s: nemo_rl_log(folder, s, rng, token_ids=token_ids) for s in (1, 2)}
     assert main(["--from", "nemo-rl", str(tmp_path / "logs"), "--save-log", str(tmp_path / "log")]) == 0
     tok, seq = _tables(tmp_path / "log")
-    deltas = []
-    for s, data in made.items():
-        for i, n in enumerate(data["input_lengths"]):
-            rows = tok[(tok["step"] == s) & (tok["sample_id"] == i)]
-            np.testing.assert_array_equal(rows["token_id"], data["token_ids"][i][3:n])
-            m = (np.array(data["token_loss_mask"][i][3:n]) > 0) & bool(data["sample_loss_mask"][i])
-            np.testing.assert_array_equal(rows["loss_mask"], m)
-            g, p = (np.array(data[k][i][3:n], np.float32) for k in ("generation_logprobs", "prev_logprobs"))
-            deltas.append((p - g)[m])
-    assert seq["reward"].tolist() == [r for d in made.values() for r in d["rewards"]]
+    deltas = _nemo_rl_check(tok, seq, made)
     d = diagnose(RolloutLog(tmp_path / "log"), progress=False)
     assert d.tables["overall"].set_index("pair").loc["mismatch", "mean_abs"] == pytest.approx(
         np.abs(np.concatenate(deltas).astype(np.float64)).mean(), rel=1e-9)
+
+
+def test_nemo_rl_resumed_run_writes_a_second_experiment_folder(tmp_path):
+    """get_next_experiment_dir: each launch logs to a new exp_<NNN>; a run resumed from its step-2 checkpoint
+    writes train_data_step3.jsonl again. Each folder reads as its own run."""
+    rng = np.random.default_rng(6)
+    made = {}
+    for run, steps in (("exp_001", (1, 2, 3)), ("exp_002", (3, 4))):
+        (tmp_path / "logs" / run).mkdir(parents=True)
+        made[run] = {s: nemo_rl_log(tmp_path / "logs" / run, s, rng) for s in steps}
+    log = RolloutLog(convert("nemo-rl", tmp_path / "logs", tmp_path / "log"))
+    tok, seq = _tables(log.path)
+    assert sorted(set(zip(seq["run"], seq["step"]))) == [(r, s) for r in made for s in made[r]]
+    deltas = sum((_nemo_rl_check(tok, seq, made[r], r) for r in made), [])
+    d = diagnose(log, progress=False)
+    assert d.tables["overall"].set_index("pair").loc["mismatch", "mean_abs"] == pytest.approx(
+        np.abs(np.concatenate(deltas).astype(np.float64)).mean(), rel=1e-9)
+
+
+@pytest.mark.parametrize("case", ["force_on_policy_ratio", "before_2026_02", "distillation"])
+def test_nemo_rl_logs_without_what_the_lab_needs(tmp_path, capsys, case):
+    """force_on_policy_ratio logs zeros for prev_logprobs (e7266a92f); grpo.py before f11f99c79 logged content,
+    rewards, generation_logprobs, prev_logprobs and input_lengths only; distillation.py content and input_lengths."""
+    rng = np.random.default_rng(7)
+    fields = {"before_2026_02": ("content", "rewards", "generation_logprobs", "prev_logprobs", "input_lengths"),
+              "distillation": ("content", "input_lengths")}.get(case)
+    (tmp_path / "logs").mkdir()
+    nemo_rl_log(tmp_path / "logs", 1, rng)
+    nemo_rl_log(tmp_path / "logs", 2, rng, force_on_policy=case == "force_on_policy_ratio", fields=fields)
+    assert main(["--from", "nemo-rl", str(tmp_path / "logs"), "--out", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "train_data_step2.jsonl" in err
+    assert ("'prev_logprobs' is 0 on every one" in err if case == "force_on_policy_ratio"
+            else "train_data_step2.jsonl:1: field 'token_loss_mask' is missing" in err)
+    assert not (tmp_path / "run").exists()
