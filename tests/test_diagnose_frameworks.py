@@ -123,6 +123,35 @@ def test_slime_save_debug_train_data_layout(tmp_path, capsys):
     assert (seq["trainer_version"] == seq["version_min"]).all() and seq["group_id"].notna().all()
 
 
+@pytest.mark.parametrize("layout", ["dump_details", "templates"])
+def test_slime_evaluation_rollout_dumps_are_not_training_rollouts(tmp_path, layout):
+    """RolloutManager.eval (48c16f123, 2025-10; observability/rollout_data_utils.py since 624b824a8) saves its
+    samples through the same template with rollout_id "eval_{rollout_id}": rollout_data/eval_0.pt beside
+    rollout_data/0.pt, as train.py evaluates before rollout 0 and every --eval-interval rollouts."""
+    rng = np.random.default_rng(8)
+    folder = tmp_path / "dump"
+    names = {"dump_details": ("rollout_data/{}.pt", "train_data/{}.pt"),
+             "templates": ("data_{}.pt", "train_{}.pt")}[layout]
+    for sub in ("rollout_data", "train_data") if layout == "dump_details" else ("",):
+        (folder / sub).mkdir(parents=True, exist_ok=True)
+    want = {}
+    for k in range(3):
+        samples, train = slime_rollout(rng, k, k + 1)
+        torch.save({"rollout_id": k, "samples": samples}, folder / names[0].format(k))
+        save_v2(folder, names[1].format(k), k, train)
+        want[k] = [(s["group_index"], s["reward"]) for s in samples]
+        if k % 2 == 0:  # an evaluation: other prompts, other rewards, an older weight version
+            ev, _ = slime_rollout(rng, k, 0, n=6, group_size=3)
+            ev = [dict(e, group_index=e["group_index"] + 50, reward=0.25) for e in ev]
+            torch.save({"rollout_id": k, "samples": ev}, folder / names[0].format(f"eval_{k}"))
+    log = RolloutLog(convert("slime", folder, tmp_path / "log"))
+    _, seq = _tables(log.path)
+    for k, rows in want.items():
+        sel = seq[seq["step"] == k].sort_values("sample_id")
+        assert list(zip(sel["group_id"], sel["reward"])) == rows
+        assert (sel["version_min"] == k + 1).all() and (sel["trainer_version"] == k + 1).all()
+
+
 # ------------------------------------------------------------------------------------------------ SkyRL
 def skyrl_tensors(prompts, responses, loss_masks, logprobs, right_aligned: bool):
     """convert_prompts_responses_to_batch_tensors: since b059319cf one left-padded block per row with right-aligned

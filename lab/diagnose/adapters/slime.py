@@ -5,6 +5,9 @@ DIR/rollout_data/{rollout_id}.pt`` and ``--save-debug-train-data DIR/train_data/
 2026-08 refactor, 681b3adca: ``train_data/{rollout_id}_{rank}.pt``); either flag can also be given alone with any
 path template (the docs use ``/your/saved/debug/train_{rollout_id}.pt``). All are ``torch.save`` files. PATH may
 be the DIR, its train_data/ folder, a folder of such files, or one train file; files are recognised by content.
+Evaluation rollouts (``RolloutManager.eval``, since 48c16f123, 2025-10) go through the rollout template with
+rollout_id ``eval_{rollout_id}`` (``rollout_data/eval_0.pt`` beside ``rollout_data/0.pt``) and the same payload;
+they are not training data and are left out by that name.
 
 - rollout dump: ``{"rollout_id", "samples": [Sample.to_dict()]}`` with ``group_index``, ``index``, ``tokens``
   (prompt + response), ``response_length``, ``reward``, ``loss_mask``, ``weight_versions`` (the SGLang weight
@@ -80,25 +83,30 @@ def _discover(path: Path, trust: bool) -> _Files:
     if (root / "train_data").is_dir():  # --dump-details layout: the folder says what each file is
         for kind, folder in (("train", root / "train_data"), ("rollout", root / "rollout_data")):
             for f in sorted(folder.glob("*.pt")) if folder.is_dir() else []:
-                m = _NUM.search(f.name)
+                m = _NUM.fullmatch(f.name)  # not rollout_data/eval_{rollout_id}.pt (evaluation rollouts)
                 if m and (kind == "train" or m.group(2) is None):
                     _put(out, kind, int(m.group(1)), f)
         if path.is_file():
             out.train = {rid: [f for f in fs if f == path] for rid, fs in out.train.items() if path in fs}
     else:  # a folder of --save-debug-*-data files named by any template: classify by content
         files = [path] if path.is_file() else sorted(path.glob("*.pt"))
+        if path.is_file():
+            files += [f for f in sorted(path.parent.glob("*.pt")) if f != path]
+        found = []
         for f in files:
             payload = torch_load(f, trust)
             kind, rid = _classify(payload, f)
-            _put(out, kind, rid, f)
             del payload
-        if path.is_file():
-            for f in sorted(path.parent.glob("*.pt")):
-                if f != path:
-                    payload = torch_load(f, trust)
-                    kind, rid = _classify(payload, f)
-                    if kind == "rollout":
-                        _put(out, kind, rid, f)
+            if kind == "train" and path.is_file() and f != path:
+                continue
+            found.append((kind, rid, f))
+        rollouts = [(rid, f) for kind, rid, f in found if kind == "rollout"]
+        evals = {f for rid, f in rollouts if re.search(rf"(?:^|[^A-Za-z0-9])eval_{rid}(?!\d)", f.stem)}
+        if len(evals) == len(rollouts):  # the template itself says eval_: none is an evaluation dump
+            evals = set()
+        for kind, rid, f in found:
+            if f not in evals:
+                _put(out, kind, rid, f)
     if not out.train:
         raise LabError(f"{path}: no slime train dumps found (--dump-details DIR writes DIR/train_data/"
                        f"{{rollout_id}}.pt; --save-debug-train-data writes the path it is given); the trainer's "
