@@ -290,7 +290,9 @@ def nemo_rl_log(folder, step, rng, B=6, G=2, force_on_policy=False, token_ids=Tr
     prev = np.where(tok_mask > 0, gen + rng.normal(0, 0.05, (B, S)), 0.0).astype(np.float32)
     sample_mask = np.ones(B, np.float32)
     sample_mask[2] = 0.0  # loss_multiplier: truncated
-    data = {"content": [f"sample {i}" for i in range(B)], "rewards": rng.random(B).tolist(),
+    content = [[{"role": "user", "content": f"prompt {i // G}"}, {"role": "assistant", "content": "[" * 100 * (i == 0)}]
+               for i in range(B)]  # a degenerate response: brackets in a string are not nesting
+    data = {"content": content, "rewards": rng.random(B).tolist(),
             "input_lengths": lens, "token_ids": ids.tolist(), "token_loss_mask": tok_mask.tolist(),
             "sample_loss_mask": sample_mask.tolist(), "advantages": np.repeat(rng.normal(size=(B, 1)), S, 1).tolist(),
             "generation_logprobs": gen.tolist(), "prev_logprobs": (0 * prev if force_on_policy else prev).tolist()}
