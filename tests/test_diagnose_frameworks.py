@@ -152,6 +152,22 @@ def test_slime_evaluation_rollout_dumps_are_not_training_rollouts(tmp_path, layo
         assert (sel["version_min"] == k + 1).all() and (sel["trainer_version"] == k + 1).all()
 
 
+def test_slime_reward_picked_by_reward_key(tmp_path):
+    """A reward model returning several rewards: Sample.reward is a dict and slime trains on
+    reward[--reward-key] (Sample.get_reward_value); the train dump carries that pick per sample as
+    local_raw_reward (utils/data.py process_rollout_data, c1dd9ab24)."""
+    rng = np.random.default_rng(9)
+    folder = tmp_path / "debug"
+    folder.mkdir()
+    samples, train = slime_rollout(rng, 0, 1)
+    picked = [float(k % 2) for k in range(len(samples))]
+    samples = [dict(s, reward={"acc": r, "format": 0.5}) for s, r in zip(samples, picked)]
+    torch.save({"rollout_id": 0, "samples": samples}, folder / "data_0.pt")
+    save_v2(folder, "train_0.pt", 0, [dict(t, local_raw_reward=r) for t, r in zip(train, picked)])
+    _, seq = _tables(RolloutLog(convert("slime", folder, tmp_path / "log")).path)
+    assert seq.sort_values("sample_id")["reward"].tolist() == picked
+
+
 # ------------------------------------------------------------------------------------------------ SkyRL
 def skyrl_tensors(prompts, responses, loss_masks, logprobs, right_aligned: bool):
     """convert_prompts_responses_to_batch_tensors: since b059319cf one left-padded block per row with right-aligned

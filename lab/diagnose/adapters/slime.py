@@ -27,7 +27,9 @@ they are not training data and are left out by that name.
 
 Mapping: sampler_logp = rollout_log_probs, old_logp = log_probs, response tokens = the last response_lengths of
 ``tokens``; group_id, reward and versions from the rollout dump's sample at ``rollout_position`` (else the one
-with the same ``index``); step = rollout_id; sample_id = rollout_position (else sample_index).
+with the same ``index``); a reward that is a dict (a reward model returning several, picked by ``--reward-key``)
+is taken from the train sample's ``local_raw_reward`` (slime's pick, dumped since c1dd9ab24, 2026-08-12) when it is
+there; step = rollout_id; sample_id = rollout_position (else sample_index).
 
 Kept sets (top-p "sampling mask" replay, slime PR 2102, ``utils/types.py`` ``Sample``): with ``--rollout-top-p`` < 1
 slime records each response token's kept set as ``rollout_top_p_token_ids`` (int32, flat) and
@@ -350,8 +352,9 @@ def _add_sample(buf, rid: int, f: Path, i: int, s, rollout: list, by_index: dict
     rs = rollout[pos] if pos is not None and 0 <= pos < len(rollout) else by_index.get(idx)
     rs = rs if isinstance(rs, dict) else {}
     versions = _sample_versions(rs)
-    reward = rs.get("reward")
-    reward = float(reward) if isinstance(reward, (int, float)) and not isinstance(reward, bool) else None
+    reward = next((r for r in (rs.get("reward"), s.get("local_raw_reward"))  # a dict of rewards: slime's pick
+                   if isinstance(r, (int, float)) and not isinstance(r, bool)), None)
+    reward = None if reward is None else float(reward)
     group = rs.get("group_index")
     if group is not None and (isinstance(group, bool) or not isinstance(group, int)):
         raise LabError(f"{where}: the rollout sample's 'group_index' is {group!r:.40}; expected an integer")
