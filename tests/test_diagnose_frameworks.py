@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from lab.diagnose import RolloutLog, diagnose
-from lab.diagnose.adapters import convert
+from lab.diagnose.adapters import convert, detect
 from lab.diagnose.cli import main
 from test_diagnose_adapters import _tables, skyrl_module, slime_sample_to_dict
 
@@ -367,6 +367,7 @@ def test_nemo_rl_resumed_run_writes_a_second_experiment_folder(tmp_path):
     for run, steps in (("exp_001", (1, 2, 3)), ("exp_002", (3, 4))):
         (tmp_path / "logs" / run).mkdir(parents=True)
         made[run] = {s: nemo_rl_log(tmp_path / "logs" / run, s, rng) for s in steps}
+    assert "nemo-rl" in detect(tmp_path / "logs")
     log = RolloutLog(convert("nemo-rl", tmp_path / "logs", tmp_path / "log"))
     tok, seq = _tables(log.path)
     assert sorted(set(zip(seq["run"], seq["step"]))) == [(r, s) for r in made for s in made[r]]
