@@ -108,6 +108,26 @@ def test_slime_per_rank_dumps_of_a_tp_pp_dp_run(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
+def test_slime_fsdp_backend_dumps_hold_no_trainer_log_probs(tmp_path, capsys):
+    """fsdp_utils/actor.py (fd6ebde2a .. e4faf6330): train_dump_utils.save_debug_train_data(rollout_data) per rank,
+    one file per data-parallel rank, while _compute_log_prob stores log_probs in the packed batches only."""
+    rng = np.random.default_rng(10)
+    dump = tmp_path / "dump"
+    (dump / "train_data").mkdir(parents=True)
+    (dump / "rollout_data").mkdir()
+    samples, train = slime_rollout(rng, 0, 1, n=4)
+    torch.save({"rollout_id": 0, "samples": samples}, dump / "rollout_data" / "0.pt")
+    for rank in range(2):
+        shard = train[rank::2]
+        cols = {k: [t[k] for t in shard] for k in shard[0] if k not in ("sample_index", "log_probs")}
+        cols["returns"] = cols["advantages"]
+        torch.save({"rollout_id": 0, "rank": rank, "rollout_data": cols}, dump / "train_data" / f"0_{rank}.pt")
+    assert main(["--from", "slime", str(dump), "--out", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "0_0.pt, 0_1.pt" in err and "FSDP" in err
+    assert not (tmp_path / "run").exists()
+
+
 def test_slime_save_debug_train_data_layout(tmp_path, capsys):
     """--save-debug-train-data /x/train_{rollout_id}.pt and --save-debug-rollout-data /x/data_{rollout_id}.pt,
     as slime's docs show them: files recognised by content."""

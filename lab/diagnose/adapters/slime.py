@@ -23,7 +23,9 @@ they are not training data and are left out by that name.
   context-parallel ranks of one shard hold the same samples (identical files under TP); only last-stage pipeline
   ranks hold ``log_probs``; with context parallelism each rank's log-prob tensors are its CP slice. The adapter
   groups the files by the samples they hold (one group per data-parallel shard), takes the lowest rank that has
-  whole-response ``log_probs`` in each group, and refuses a group where no file has them.
+  whole-response ``log_probs`` in each group, and refuses a group where no file has them. slime's FSDP backend
+  (fsdp_utils/actor.py, fd6ebde2a 2025-11-01 until its removal in e4faf6330, 2026-03-04) wrote the same per-rank
+  files with its log-probs kept in the packed batches, so without ``log_probs``: refused.
 
 Mapping: sampler_logp = rollout_log_probs, old_logp = log_probs, response tokens = the last response_lengths of
 ``tokens``; group_id, reward and versions from the rollout dump's sample at ``rollout_position`` (else the one
@@ -223,6 +225,11 @@ def _train_samples(files: list[Path], trust: bool) -> list:
                 raise LabError(f"{first}: 'log_probs' are shorter than the responses in {', '.join(g['files'])}: "
                                f"context-parallel slices, which per-rank dumps do not gather; dump with slime from "
                                f"2026-08 on (format_version 2 gathers them)")
+            if all(h["best"] is None and not h["slice"] for h in groups.values()):
+                raise LabError(f"{first}: no 'log_probs' (the trainer's log-probs) in any train dump of this rollout "
+                               f"({', '.join(h for x in groups.values() for h in x['files'])}): slime's FSDP "
+                               f"backend (2025-11 to 2026-03) keeps them out of its dumps, and Megatron writes them "
+                               f"on the last pipeline stage only; nothing to compare the sampler's log-probs against")
             raise LabError(f"{first}: no 'log_probs' (the trainer's log-probs) in {', '.join(g['files'])}: slime "
                            f"writes them only on the last pipeline stage, and no last-stage file of these samples "
                            f"is here; keep the last stage's train_data files")
