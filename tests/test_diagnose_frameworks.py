@@ -214,7 +214,7 @@ def skyrl_tensors(prompts, responses, loss_masks, logprobs, right_aligned: bool)
     return seqs, out
 
 
-@pytest.mark.parametrize("version", ["2026-02", "2026-04", "2026-07"])
+@pytest.mark.parametrize("version", ["2026-02", "2026-04", "2026-07", "2026-08"])
 def test_skyrl_dump_versions(tmp_path, monkeypatch, version):
     rng = np.random.default_rng(3)
     new = version != "2026-02"
@@ -236,8 +236,13 @@ def test_skyrl_dump_versions(tmp_path, monkeypatch, version):
     fields = {k: torch.cat([v, v[:1] * (0 if k == "loss_mask" else 1)]) for k, v in fields.items()}
     batch = cls(fields)
     meta = {"response_length": t["loss_mask"].shape[1], "pad_size": pad}
-    if version == "2026-07":
+    if version >= "2026-07":
         meta["policy_prompt_boundaries"] = [(0, 2), (2, 4), (4, 5)]
+    if version == "2026-08":  # router replay (R3) and multimodal inputs ride along: per-token uint8 routes
+        B, S = seqs.shape[0] + pad, seqs.shape[1]
+        batch["rollout_expert_indices"] = torch.zeros(B, S, 3, 2, dtype=torch.uint8)
+        batch["router_padding_mask"] = torch.zeros(B, S, dtype=torch.bool)
+        batch["pixel_values"] = [torch.zeros(int(rng.integers(1, 4)), 8, dtype=torch.bfloat16) for _ in range(B)]
     batch.metadata = meta  # uids and rewards popped before the dump
     d = tmp_path / "export" / "dumped_data"
     d.mkdir(parents=True)
@@ -255,8 +260,8 @@ def test_skyrl_dump_versions(tmp_path, monkeypatch, version):
         np.testing.assert_array_equal(rows["loss_mask"], np.array(masks[b]) > 0)
         np.testing.assert_array_equal(rows["sampler_logp"].to_numpy(np.float32), lps[b])
     groups = seq["group_id"].tolist()
-    assert groups == ([0, 0, 1, 1, 2] if version == "2026-07" else [None] * 5) or (
-        version != "2026-07" and seq["group_id"].isna().all())
+    assert groups == ([0, 0, 1, 1, 2] if version >= "2026-07" else [None] * 5) or (
+        version < "2026-07" and seq["group_id"].isna().all())
     assert seq["reward"].isna().all()
     diag = diagnose(log, progress=False)
     m = np.concatenate([np.array(x) > 0 for x in masks])
