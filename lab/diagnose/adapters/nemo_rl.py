@@ -40,6 +40,7 @@ from lab.errors import LabError
 LOGP = {"sampler_logp": "NeMo-RL generation_logprobs: the generation engine's (vLLM/SGLang) log-probs",
         "old_logp": "NeMo-RL prev_logprobs: the training engine's log-probs before the update", "current_logp": None}
 TOKEN_FIELDS = ("token_loss_mask", "generation_logprobs", "prev_logprobs")
+_PER_TOKEN = (*TOKEN_FIELDS, "token_ids", "advantages")
 _NAME = re.compile(r"^train_data_step(\d+)\.jsonl$")
 
 
@@ -85,9 +86,6 @@ def _row(rec: dict, key: str):
     [[t0, t1, ...]]); a value written without that list is taken as it is."""
     v = rec.get(key)
     return v[0] if isinstance(v, list) and len(v) == 1 and (isinstance(v[0], list) or key not in _PER_TOKEN) else v
-
-
-_PER_TOKEN = (*TOKEN_FIELDS, "token_ids", "advantages")
 
 
 def _scalar(rec: dict, key: str, where: str):
