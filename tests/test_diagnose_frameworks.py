@@ -44,35 +44,44 @@ def save_v2(folder, name, rid, train):
                folder / name)
 
 
-@pytest.mark.parametrize("script,resume", [("train.py", None), ("train.py", 5), ("train_async.py", None)])
+@pytest.mark.parametrize("script,resume,interval", [("train.py", None, 1), ("train.py", 5, 1),
+                                                     ("train_async.py", None, 1), ("train_async.py", None, 3),
+                                                     ("train_async.py", 5, 2)])
 @pytest.mark.slow
-def test_slime_staleness_follows_weight_pushes(tmp_path, script, resume):
-    """One push before the loop, one after each rollout's training, counted from 0 in each process: a fresh
-    train.py run is on-policy (lag 0), so is one resumed at rollout 5; train_async.py generates rollout k + 1 while
-    training on rollout k (lag 1 after its first rollout)."""
+def test_slime_staleness_follows_weight_pushes(tmp_path, script, resume, interval):
+    """train.py and train_async.py as written: one push before the loop, counted from 0 in each process; train.py
+    generates rollout k, trains on it, pushes; train_async.py launches generate(k + 1) at the top of iteration k,
+    trains on k, and pushes when (k + 1) % --update-weights-interval == 0. The lag of rollout k is the rollouts the
+    trainer has trained minus those it had trained when it pushed the weights that generated k: 0 for train.py
+    (fresh or resumed at rollout 5), 1 for train_async.py after its first rollout, 1..N with an interval of N."""
     rng = np.random.default_rng(0)
     dump = tmp_path / "dump"
     (dump / "train_data").mkdir(parents=True)
     (dump / "rollout_data").mkdir()
-    segments = [range(0, 3), range(resume, resume + 3)] if resume else [range(0, 5)]
+    segments = [range(0, 4), range(resume, resume + 7)] if resume else [range(0, 9)]
     want = {}
     for seg in segments:
-        pushes = 1  # actor_model.update_weights() before the loop
+        pushes, trained_at = 1, {1: 0}  # actor_model.update_weights() before the loop
+        gen = {seg.start: pushes}  # train_async.py: generate(start) is launched before the loop
         for k in seg:
             if script == "train.py":
-                version, lag = pushes, 0
-            else:  # rollout k was generated before the push that follows training on k - 1
-                version, lag = max(pushes - 1, 1), 0 if k == seg.start else 1
-            samples, train = slime_rollout(rng, k, version)
+                gen[k] = pushes
+            else:
+                gen[k + 1] = pushes  # generate(k + 1) launched before training on k
+            samples, train = slime_rollout(rng, k, gen[k])
             torch.save({"rollout_id": k, "samples": samples}, dump / "rollout_data" / f"{k}.pt")
             save_v2(dump / "train_data", f"{k}.pt", k, train)
-            want[k] = lag
-            pushes += 1  # update_weights() after training on rollout k
-    d = diagnose(convert("slime", dump, tmp_path / "log"), progress=False)
+            want[k] = (k - seg.start) - trained_at[gen[k]]
+            if script == "train.py" or (k + 1) % interval == 0:  # update_weights() after training on k
+                pushes += 1
+                trained_at[pushes] = k - seg.start + 1
+    log = RolloutLog(convert("slime", dump, tmp_path / "log"))
+    d = diagnose(log, progress=False)
     _, seq = _tables(tmp_path / "log")
     got = (seq["trainer_version"] - seq["version_min"]).groupby(seq["step"]).agg(["min", "max"])
     assert got["min"].to_dict() == want and got["max"].to_dict() == want
     assert d.summary["staleness"]["max_lag"] == max(want.values())
+    assert any("--update-weights-interval" in n for n in log.meta["notes"]) == (interval > 1)
 
 
 def test_slime_per_rank_dumps_of_a_tp_pp_dp_run(tmp_path):

@@ -42,12 +42,15 @@ the train data (``ray/rollout.py``) and so in both dumps, and renormalises the t
 null), from the train sample, else from the rollout sample.
 
 Policy versions (``train.py``, ``train_async.py``, ``update_weight/*``): slime pushes the weights to SGLang once
-before its loop and again after each rollout's training (``--update-weights-interval 1``, the default), counting
-pushes from 0 in each process, so a fresh run's rollout k is generated with version k + 1 and a run resumed at
-rollout s (``--start-rollout-id`` or a checkpoint) restarts at version 1. The trainer consuming rollout k of a
-segment that began at rollout s with weight version v_s is at version ``k - s + v_s``: lag 0 for train.py, lag 1
-for train_async.py after its first rollout. A segment begins at the first rollout of the dump and wherever
-the versions drop. When a dump begins mid-run, the first rollout's lag is taken as 0 (noted in the log).
+before its loop and again after each rollout's training (train_async.py: after every ``--update-weights-interval``
+N-th rollout, default 1), counting pushes from 0 in each process, so a fresh train.py run's rollout k is generated
+with version k + 1 and a run resumed at rollout s (``--start-rollout-id`` or a checkpoint) restarts at version 1.
+Versions are counted in the trainer's unit, rollouts trained (``_Versions``): the trainer consuming rollout k of a
+segment that began at rollout s with weight version v_s is at ``k - s + v_s``, and weight version v at ``v_s`` plus
+the rollouts trained when it was pushed (v itself with a push per rollout; N per version with an interval of N):
+lag 0 for train.py, 1 for train_async.py after its first rollout, 1..N with an interval of N. A segment begins at
+the first rollout of the dump and wherever the versions drop. When a dump begins mid-run, the first rollout's lag
+is taken as 0 (noted in the log).
 """
 from __future__ import annotations
 
@@ -247,22 +250,44 @@ def _train_samples(files: list[Path], trust: bool) -> list:
 # ------------------------------------------------------------------------------------------------ versions
 class _Versions:
     """Trainer version per rollout: ``k - s + v_s`` within a segment that began at rollout s with weight version v_s
-    (the smallest version among its samples); a segment begins at the first rollout and wherever versions drop."""
+    (the smallest version among its samples); a segment begins at the first rollout and wherever versions drop.
+
+    Weight versions are counted in the trainer's unit, rollouts trained: version v is ``v_s + u(v)`` with u(v) the
+    rollouts the trainer had trained when it pushed v, read off the rollout j_v where v first appears (the newest
+    version among its samples): ``j_v - s`` for train.py, ``j_v - s - 1`` for train_async.py (which generates rollout
+    s + 1 with the segment's first weights, while train.py pushes before it). With a push after every rollout that is
+    v itself; train_async.py with ``--update-weights-interval N`` pushes every N rollouts, so v counts N rollouts."""
 
     def __init__(self):
         self.start = self.v_start = self.prev = None
         self.mid_run = None
+        self.pushed: dict = {}  # weight version -> rollouts trained when it was pushed (this segment)
+        self.lagged = None  # train_async.py: rollout s + 1 carries the segment's first version
+        self.spaced = False  # a version came more than one rollout after the previous one
 
-    def trainer_version(self, rid: int, vmin) -> int | None:
+    def trainer_version(self, rid: int, vmin, vmax=None) -> int | None:
         if vmin is None:
             self.prev = None
             return None
+        vmax = vmin if vmax is None else vmax
         if self.start is None or self.prev is None or vmin < self.prev:
-            self.start, self.v_start = rid, vmin
+            self.start, self.v_start, self.pushed, self.lagged = rid, vmin, {vmin: 0}, None
             if vmin > 1 and self.mid_run is None:
                 self.mid_run = (rid, vmin)
+        k = rid - self.start
+        if k == 1:
+            self.lagged = vmax <= self.v_start
+        newest = max(self.pushed)
+        if vmax > newest:
+            self.pushed[vmax] = k - 1 if self.lagged else k
+            self.spaced |= self.pushed[vmax] - self.pushed[newest] > vmax - newest
         self.prev = vmin
-        return rid - self.start + self.v_start
+        return k + self.v_start
+
+    def scale(self, v: int) -> int:
+        """A weight version of this segment in the trainer's unit (a version it has not seen pushed: as it is)."""
+        u = self.pushed.get(v)
+        return v if u is None else self.v_start + u
 
 
 # ------------------------------------------------------------------------------------------------ conversion
@@ -324,11 +349,15 @@ def convert(path, out, *, trust: bool = False, sampling: dict | None = None, pro
             rollout = _rollout(rollout_file, trust)
             by_index = {s["index"]: s for s in rollout if isinstance(s, dict) and isinstance(s.get("index"), int)}
             all_v = [v for s in rollout if isinstance(s, dict) for v in _sample_versions(s)]
-            tv = versions.trainer_version(rid, min(all_v) if all_v else None)
+            tv = versions.trainer_version(rid, min(all_v) if all_v else None, max(all_v) if all_v else None)
             seen: dict = {}
             for f, i, s in _train_samples(train_files, trust):
-                _add_sample(buf, rid, f, i, s, rollout, by_index, tv, seen)
+                _add_sample(buf, rid, f, i, s, rollout, by_index, tv, versions.scale, seen)
         buf.flush()
+        if versions.spaced:
+            writer.meta["notes"].append("slime pushed its weights less often than once per rollout (train_async.py "
+                                        "--update-weights-interval): weight versions are counted in rollouts "
+                                        "trained, the trainer's unit, so a version spans several")
         if versions.mid_run is not None:
             rid, v = versions.mid_run
             writer.meta["notes"].append(f"the dump begins mid-run (rollout {rid} was generated with weight version "
@@ -339,7 +368,7 @@ def convert(path, out, *, trust: bool = False, sampling: dict | None = None, pro
         raise
 
 
-def _add_sample(buf, rid: int, f: Path, i: int, s, rollout: list, by_index: dict, tv, seen: dict) -> None:
+def _add_sample(buf, rid: int, f: Path, i: int, s, rollout: list, by_index: dict, tv, scale, seen: dict) -> None:
     where = f"{f} sample {i}"
     if not isinstance(s, dict):
         raise LabError(f"{where}: expected a dict, got {type(s).__name__}")
@@ -358,7 +387,7 @@ def _add_sample(buf, rid: int, f: Path, i: int, s, rollout: list, by_index: dict
         raise LabError(f"{where}: 'loss_masks' has {mask.size} entries but response_lengths is {n}")
     rs = rollout[pos] if pos is not None and 0 <= pos < len(rollout) else by_index.get(idx)
     rs = rs if isinstance(rs, dict) else {}
-    versions = _sample_versions(rs)
+    versions = [scale(v) for v in _sample_versions(rs)]
     reward = next((r for r in (rs.get("reward"), s.get("local_raw_reward"))  # a dict of rewards: slime's pick
                    if isinstance(r, (int, float)) and not isinstance(r, bool)), None)
     reward = None if reward is None else float(reward)
