@@ -84,6 +84,29 @@ def test_slime_staleness_follows_weight_pushes(tmp_path, script, resume, interva
     assert any("--update-weights-interval" in n for n in log.meta["notes"]) == (interval > 1)
 
 
+def test_slime_dump_beginning_mid_run_with_partial_rollouts(tmp_path):
+    """--partial-rollout: a sample aborted in rollout k - 1 resumes in rollout k, so its weight_versions span two
+    pushes ([v - 1, v]) while the fresh samples carry [v]. A dump kept from rollout 4 of a train.py run (versions
+    5, 6): the fresh samples are on-policy, the carried ones one version behind (never lag -1)."""
+    rng = np.random.default_rng(11)
+    dump = tmp_path / "dump"
+    (dump / "train_data").mkdir(parents=True)
+    (dump / "rollout_data").mkdir()
+    want = {}
+    for k in (4, 5):
+        samples, train = slime_rollout(rng, k, k + 1)
+        samples[0]["weight_versions"] = [str(k), str(k + 1)]  # carried over from rollout k - 1
+        torch.save({"rollout_id": k, "samples": samples}, dump / "rollout_data" / f"{k}.pt")
+        save_v2(dump / "train_data", f"{k}.pt", k, train)
+        want[k] = [1] + [0] * (len(samples) - 1)
+    log = RolloutLog(convert("slime", dump, tmp_path / "log"))
+    _, seq = _tables(log.path)
+    for k, lags in want.items():
+        sel = seq[seq["step"] == k].sort_values("sample_id")
+        assert (sel["trainer_version"] - sel["version_min"]).tolist() == lags
+    assert any("mid-run" in n for n in log.meta["notes"])
+
+
 def test_slime_per_rank_dumps_of_a_tp_pp_dp_run(tmp_path):
     """Before 2026-08 every rank wrote train_data/{rid}_{rank}.pt: TP ranks identical files, first pipeline stage
     without log_probs; DP shards disjoint. The log holds each sample once, with the last stage's log-probs."""

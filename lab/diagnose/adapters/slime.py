@@ -250,7 +250,8 @@ def _train_samples(files: list[Path], trust: bool) -> list:
 # ------------------------------------------------------------------------------------------------ versions
 class _Versions:
     """Trainer version per rollout: ``k - s + v_s`` within a segment that began at rollout s with weight version v_s
-    (the smallest version among its samples); a segment begins at the first rollout and wherever versions drop.
+    (the newest version among its samples: older ones are partial rollouts carried over); a segment begins at the
+    first rollout and wherever the smallest version drops.
 
     Weight versions are counted in the trainer's unit, rollouts trained: version v is ``v_s + u(v)`` with u(v) the
     rollouts the trainer had trained when it pushed v, read off the rollout j_v where v first appears (the newest
@@ -271,9 +272,9 @@ class _Versions:
             return None
         vmax = vmin if vmax is None else vmax
         if self.start is None or self.prev is None or vmin < self.prev:
-            self.start, self.v_start, self.pushed, self.lagged = rid, vmin, {vmin: 0}, None
-            if vmin > 1 and self.mid_run is None:
-                self.mid_run = (rid, vmin)
+            self.start, self.v_start, self.pushed, self.lagged = rid, vmax, {vmax: 0}, None
+            if vmax > 1 and self.mid_run is None:
+                self.mid_run = (rid, vmax)
         k = rid - self.start
         if k == 1:
             self.lagged = vmax <= self.v_start
