@@ -346,6 +346,8 @@ def _save_bytes(t):
 def _encode_new(t):
     if t is None:
         return None
+    if isinstance(t, list):  # TensorList (multimodal inputs, 92764a752)
+        return {"format": "tensor_list", "items": [_encode_new(x) for x in t]}
     try:
         arr = t.numpy()
         return {"format": "numpy", "data": arr.tobytes(), "shape": arr.shape, "dtype": str(arr.dtype)}

@@ -56,8 +56,9 @@ ADAPTERS: dict[str, Adapter] = {a.name: a for a in (
             lambda p: _has(p, "train_data", "rollout_data", "*.pt")),
     Adapter("skyrl", "SkyRL trainer.dump_data_batch pickles (dumped_data/global_step_N_training_input.pkl)",
             "skyrl", lambda p: _has(p, "*_training_input.pkl", "dumped_data")),
-    Adapter("nemo-rl", "NeMo-RL training-data logs (train_data_step<N>.jsonl in the log directory)", "nemo_rl",
-            lambda p: _has(p, "train_data_step*.jsonl")),
+    Adapter("nemo-rl", "NeMo-RL training-data logs (train_data_step<N>.jsonl in the log directory or its "
+                       "exp_<NNN> folders)", "nemo_rl",
+            lambda p: _has(p, "train_data_step*.jsonl", "*/train_data_step*.jsonl")),
 )}
 FORMATS = tuple(ADAPTERS)
 

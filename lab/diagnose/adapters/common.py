@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
 import numpy as np
 import orjson
@@ -59,16 +60,16 @@ def _parse_float(s: str):
     return v if math.isfinite(v) else OutOfRange(s)
 
 
-def _depth(text: str) -> int:
-    """Deepest nesting of [ and { (string contents are counted too: an upper bound, exact for number arrays)."""
-    depth = best = 0
-    for ch in text:
-        if ch in "[{":
-            depth += 1
-            best = max(best, depth)
-        elif ch in "]}":
-            depth -= 1
-    return best
+_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
+_STEP = np.zeros(256, np.int8)
+_STEP[[ord("["), ord("{")]], _STEP[[ord("]"), ord("}")]] = 1, -1
+
+
+def _depth(raw: bytes) -> int:
+    """Deepest nesting of [ and { outside JSON strings (a text field such as a decoded response may hold any number
+    of brackets)."""
+    steps = _STEP[np.frombuffer(_STRING.sub(b'""', raw), np.uint8)]
+    return int(np.cumsum(steps, dtype=np.int64).max(initial=0))
 
 
 def json_line(raw: bytes, where: str):
@@ -76,12 +77,12 @@ def json_line(raw: bytes, where: str):
     numbers that fit a float64 or a 64-bit integer; NaN and Infinity literals are refused. One LabError naming
     ``where`` for anything else.
 
-    orjson parses a line with at most MAX_JSON_DEPTH brackets (so no deeper nesting); it refuses what the bounds
-    refuse and widens an integer beyond 64 bits to a float, which the field checks refuse where an integer is
-    expected. A line orjson refuses, or one with more brackets, is read by the standard library parser with the
+    orjson parses a line nested at most MAX_JSON_DEPTH deep (brackets inside strings do not count); it refuses what
+    the bounds refuse and widens an integer beyond 64 bits to a float, which the field checks refuse where an integer
+    is expected. A line orjson refuses, or one nested deeper, is read by the standard library parser with the
     bounds applied number by number (a number out of range comes back as OutOfRange text, which the field checks
     refuse by name), which says what is wrong."""
-    if raw.count(b"[") + raw.count(b"{") <= MAX_JSON_DEPTH:
+    if raw.count(b"[") + raw.count(b"{") <= MAX_JSON_DEPTH or _depth(raw) <= MAX_JSON_DEPTH:
         try:
             return orjson.loads(raw)
         except orjson.JSONDecodeError:
@@ -94,7 +95,7 @@ def _json_line_checked(raw: bytes, where: str):
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
         raise LabError(f"{where}: not valid UTF-8 (byte {e.start}); a JSONL export is UTF-8 text") from None
-    if text.count("[") + text.count("{") > MAX_JSON_DEPTH and _depth(text) > MAX_JSON_DEPTH:
+    if text.count("[") + text.count("{") > MAX_JSON_DEPTH and _depth(raw) > MAX_JSON_DEPTH:
         raise LabError(f"{where}: JSON nested deeper than {MAX_JSON_DEPTH} levels; not a training-data record")
 
     def constant(name):

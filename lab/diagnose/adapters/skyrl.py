@@ -44,6 +44,7 @@ from lab.errors import LabError
 LOGP = {"sampler_logp": "SkyRL rollout_logprobs: the inference engine's (vLLM/SGLang) log-probs of the sampled tokens",
         "old_logp": "SkyRL action_log_probs: the trainer's log-probs before the update", "current_logp": None}
 _NAME = re.compile(r"global_step_(\d+)_training_input\.pkl$")
+_USED = ("sequences", "response_mask", "loss_mask", "rollout_logprobs", "action_log_probs", "advantages", "rewards")
 
 
 def find_files(path: Path) -> list[tuple[int | None, Path]]:
@@ -69,8 +70,9 @@ def _fields(batch, source: Path) -> tuple[dict, dict]:
     bd = state.get("batch_dict") or {}
     if not isinstance(bd, dict):
         raise LabError(f"{source}: 'batch_dict' is not a dict")
-    for k, v in bd.items():
-        fields[k] = decode_skyrl_field(v, source=source, key=k)
+    for k, v in bd.items():  # only what the conversion reads (routed experts and pixel values can be gigabytes)
+        if k in _USED:
+            fields[k] = decode_skyrl_field(v, source=source, key=k)
     meta = state.get("metadata") or {}
     return fields, meta if isinstance(meta, dict) else {}
 

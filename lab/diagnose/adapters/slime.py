@@ -5,6 +5,9 @@ DIR/rollout_data/{rollout_id}.pt`` and ``--save-debug-train-data DIR/train_data/
 2026-08 refactor, 681b3adca: ``train_data/{rollout_id}_{rank}.pt``); either flag can also be given alone with any
 path template (the docs use ``/your/saved/debug/train_{rollout_id}.pt``). All are ``torch.save`` files. PATH may
 be the DIR, its train_data/ folder, a folder of such files, or one train file; files are recognised by content.
+Evaluation rollouts (``RolloutManager.eval``, since 48c16f123, 2025-10) go through the rollout template with
+rollout_id ``eval_{rollout_id}`` (``rollout_data/eval_0.pt`` beside ``rollout_data/0.pt``) and the same payload;
+they are not training data and are left out by that name.
 
 - rollout dump: ``{"rollout_id", "samples": [Sample.to_dict()]}`` with ``group_index``, ``index``, ``tokens``
   (prompt + response), ``response_length``, ``reward``, ``loss_mask``, ``weight_versions`` (the SGLang weight
@@ -20,11 +23,15 @@ be the DIR, its train_data/ folder, a folder of such files, or one train file; f
   context-parallel ranks of one shard hold the same samples (identical files under TP); only last-stage pipeline
   ranks hold ``log_probs``; with context parallelism each rank's log-prob tensors are its CP slice. The adapter
   groups the files by the samples they hold (one group per data-parallel shard), takes the lowest rank that has
-  whole-response ``log_probs`` in each group, and refuses a group where no file has them.
+  whole-response ``log_probs`` in each group, and refuses a group where no file has them. slime's FSDP backend
+  (fsdp_utils/actor.py, fd6ebde2a 2025-11-01 until its removal in e4faf6330, 2026-03-04) wrote the same per-rank
+  files with its log-probs kept in the packed batches, so without ``log_probs``: refused.
 
 Mapping: sampler_logp = rollout_log_probs, old_logp = log_probs, response tokens = the last response_lengths of
 ``tokens``; group_id, reward and versions from the rollout dump's sample at ``rollout_position`` (else the one
-with the same ``index``); step = rollout_id; sample_id = rollout_position (else sample_index).
+with the same ``index``); a reward that is a dict (a reward model returning several, picked by ``--reward-key``)
+is taken from the train sample's ``local_raw_reward`` (slime's pick, dumped since c1dd9ab24, 2026-08-12) when it is
+there; step = rollout_id; sample_id = rollout_position (else sample_index).
 
 Kept sets (top-p "sampling mask" replay, slime PR 2102, ``utils/types.py`` ``Sample``): with ``--rollout-top-p`` < 1
 slime records each response token's kept set as ``rollout_top_p_token_ids`` (int32, flat) and
@@ -35,12 +42,15 @@ the train data (``ray/rollout.py``) and so in both dumps, and renormalises the t
 null), from the train sample, else from the rollout sample.
 
 Policy versions (``train.py``, ``train_async.py``, ``update_weight/*``): slime pushes the weights to SGLang once
-before its loop and again after each rollout's training (``--update-weights-interval 1``, the default), counting
-pushes from 0 in each process, so a fresh run's rollout k is generated with version k + 1 and a run resumed at
-rollout s (``--start-rollout-id`` or a checkpoint) restarts at version 1. The trainer consuming rollout k of a
-segment that began at rollout s with weight version v_s is at version ``k - s + v_s``: lag 0 for train.py, lag 1
-for train_async.py after its first rollout. A segment begins at the first rollout of the dump and wherever
-the versions drop. When a dump begins mid-run, the first rollout's lag is taken as 0 (noted in the log).
+before its loop and again after each rollout's training (train_async.py: after every ``--update-weights-interval``
+N-th rollout, default 1), counting pushes from 0 in each process, so a fresh train.py run's rollout k is generated
+with version k + 1 and a run resumed at rollout s (``--start-rollout-id`` or a checkpoint) restarts at version 1.
+Versions are counted in the trainer's unit, rollouts trained (``_Versions``): the trainer consuming rollout k of a
+segment that began at rollout s with weight version v_s is at ``k - s + v_s``, and weight version v at ``v_s`` plus
+the rollouts trained when it was pushed (v itself with a push per rollout; N per version with an interval of N):
+lag 0 for train.py, 1 for train_async.py after its first rollout, 1..N with an interval of N. A segment begins at
+the first rollout of the dump and wherever the versions drop. When a dump begins mid-run, the first rollout's lag
+is taken as 0 (noted in the log).
 """
 from __future__ import annotations
 
@@ -80,25 +90,30 @@ def _discover(path: Path, trust: bool) -> _Files:
     if (root / "train_data").is_dir():  # --dump-details layout: the folder says what each file is
         for kind, folder in (("train", root / "train_data"), ("rollout", root / "rollout_data")):
             for f in sorted(folder.glob("*.pt")) if folder.is_dir() else []:
-                m = _NUM.search(f.name)
+                m = _NUM.fullmatch(f.name)  # not rollout_data/eval_{rollout_id}.pt (evaluation rollouts)
                 if m and (kind == "train" or m.group(2) is None):
                     _put(out, kind, int(m.group(1)), f)
         if path.is_file():
             out.train = {rid: [f for f in fs if f == path] for rid, fs in out.train.items() if path in fs}
     else:  # a folder of --save-debug-*-data files named by any template: classify by content
         files = [path] if path.is_file() else sorted(path.glob("*.pt"))
+        if path.is_file():
+            files += [f for f in sorted(path.parent.glob("*.pt")) if f != path]
+        found = []
         for f in files:
             payload = torch_load(f, trust)
             kind, rid = _classify(payload, f)
-            _put(out, kind, rid, f)
             del payload
-        if path.is_file():
-            for f in sorted(path.parent.glob("*.pt")):
-                if f != path:
-                    payload = torch_load(f, trust)
-                    kind, rid = _classify(payload, f)
-                    if kind == "rollout":
-                        _put(out, kind, rid, f)
+            if kind == "train" and path.is_file() and f != path:
+                continue
+            found.append((kind, rid, f))
+        rollouts = [(rid, f) for kind, rid, f in found if kind == "rollout"]
+        evals = {f for rid, f in rollouts if re.search(rf"(?:^|[^A-Za-z0-9])eval_{rid}(?!\d)", f.stem)}
+        if len(evals) == len(rollouts):  # the template itself says eval_: none is an evaluation dump
+            evals = set()
+        for kind, rid, f in found:
+            if f not in evals:
+                _put(out, kind, rid, f)
     if not out.train:
         raise LabError(f"{path}: no slime train dumps found (--dump-details DIR writes DIR/train_data/"
                        f"{{rollout_id}}.pt; --save-debug-train-data writes the path it is given); the trainer's "
@@ -213,6 +228,11 @@ def _train_samples(files: list[Path], trust: bool) -> list:
                 raise LabError(f"{first}: 'log_probs' are shorter than the responses in {', '.join(g['files'])}: "
                                f"context-parallel slices, which per-rank dumps do not gather; dump with slime from "
                                f"2026-08 on (format_version 2 gathers them)")
+            if all(h["best"] is None and not h["slice"] for h in groups.values()):
+                raise LabError(f"{first}: no 'log_probs' (the trainer's log-probs) in any train dump of this rollout "
+                               f"({', '.join(h for x in groups.values() for h in x['files'])}): slime's FSDP "
+                               f"backend (2025-11 to 2026-03) keeps them out of its dumps, and Megatron writes them "
+                               f"on the last pipeline stage only; nothing to compare the sampler's log-probs against")
             raise LabError(f"{first}: no 'log_probs' (the trainer's log-probs) in {', '.join(g['files'])}: slime "
                            f"writes them only on the last pipeline stage, and no last-stage file of these samples "
                            f"is here; keep the last stage's train_data files")
@@ -230,22 +250,45 @@ def _train_samples(files: list[Path], trust: bool) -> list:
 # ------------------------------------------------------------------------------------------------ versions
 class _Versions:
     """Trainer version per rollout: ``k - s + v_s`` within a segment that began at rollout s with weight version v_s
-    (the smallest version among its samples); a segment begins at the first rollout and wherever versions drop."""
+    (the newest version among its samples: older ones are partial rollouts carried over); a segment begins at the
+    first rollout and wherever the smallest version drops.
+
+    Weight versions are counted in the trainer's unit, rollouts trained: version v is ``v_s + u(v)`` with u(v) the
+    rollouts the trainer had trained when it pushed v, read off the rollout j_v where v first appears (the newest
+    version among its samples): ``j_v - s`` for train.py, ``j_v - s - 1`` for train_async.py (which generates rollout
+    s + 1 with the segment's first weights, while train.py pushes before it). With a push after every rollout that is
+    v itself; train_async.py with ``--update-weights-interval N`` pushes every N rollouts, so v counts N rollouts."""
 
     def __init__(self):
         self.start = self.v_start = self.prev = None
         self.mid_run = None
+        self.pushed: dict = {}  # weight version -> rollouts trained when it was pushed (this segment)
+        self.lagged = None  # train_async.py: rollout s + 1 carries the segment's first version
+        self.spaced = False  # a version came more than one rollout after the previous one
 
-    def trainer_version(self, rid: int, vmin) -> int | None:
+    def trainer_version(self, rid: int, vmin, vmax=None) -> int | None:
         if vmin is None:
             self.prev = None
             return None
+        vmax = vmin if vmax is None else vmax
         if self.start is None or self.prev is None or vmin < self.prev:
-            self.start, self.v_start = rid, vmin
-            if vmin > 1 and self.mid_run is None:
-                self.mid_run = (rid, vmin)
+            self.start, self.v_start, self.pushed, self.lagged = rid, vmax, {vmax: 0}, None
+            if vmax > 1 and self.mid_run is None:
+                self.mid_run = (rid, vmax)
+        k = rid - self.start
+        if k == 1:
+            self.lagged = vmax <= self.v_start
+        newest = max(self.pushed)
+        if vmax > newest:
+            self.pushed[vmax] = k - 1 if self.lagged else k
+            self.spaced |= self.pushed[vmax] - self.pushed[newest] > vmax - newest
         self.prev = vmin
-        return rid - self.start + self.v_start
+        return k + self.v_start
+
+    def scale(self, v: int) -> int:
+        """A weight version of this segment in the trainer's unit (a version it has not seen pushed: as it is)."""
+        u = self.pushed.get(v)
+        return v if u is None else self.v_start + u
 
 
 # ------------------------------------------------------------------------------------------------ conversion
@@ -307,11 +350,15 @@ def convert(path, out, *, trust: bool = False, sampling: dict | None = None, pro
             rollout = _rollout(rollout_file, trust)
             by_index = {s["index"]: s for s in rollout if isinstance(s, dict) and isinstance(s.get("index"), int)}
             all_v = [v for s in rollout if isinstance(s, dict) for v in _sample_versions(s)]
-            tv = versions.trainer_version(rid, min(all_v) if all_v else None)
+            tv = versions.trainer_version(rid, min(all_v) if all_v else None, max(all_v) if all_v else None)
             seen: dict = {}
             for f, i, s in _train_samples(train_files, trust):
-                _add_sample(buf, rid, f, i, s, rollout, by_index, tv, seen)
+                _add_sample(buf, rid, f, i, s, rollout, by_index, tv, versions.scale, seen)
         buf.flush()
+        if versions.spaced:
+            writer.meta["notes"].append("slime pushed its weights less often than once per rollout (train_async.py "
+                                        "--update-weights-interval): weight versions are counted in rollouts "
+                                        "trained, the trainer's unit, so a version spans several")
         if versions.mid_run is not None:
             rid, v = versions.mid_run
             writer.meta["notes"].append(f"the dump begins mid-run (rollout {rid} was generated with weight version "
@@ -322,7 +369,7 @@ def convert(path, out, *, trust: bool = False, sampling: dict | None = None, pro
         raise
 
 
-def _add_sample(buf, rid: int, f: Path, i: int, s, rollout: list, by_index: dict, tv, seen: dict) -> None:
+def _add_sample(buf, rid: int, f: Path, i: int, s, rollout: list, by_index: dict, tv, scale, seen: dict) -> None:
     where = f"{f} sample {i}"
     if not isinstance(s, dict):
         raise LabError(f"{where}: expected a dict, got {type(s).__name__}")
@@ -341,9 +388,10 @@ def _add_sample(buf, rid: int, f: Path, i: int, s, rollout: list, by_index: dict
         raise LabError(f"{where}: 'loss_masks' has {mask.size} entries but response_lengths is {n}")
     rs = rollout[pos] if pos is not None and 0 <= pos < len(rollout) else by_index.get(idx)
     rs = rs if isinstance(rs, dict) else {}
-    versions = _sample_versions(rs)
-    reward = rs.get("reward")
-    reward = float(reward) if isinstance(reward, (int, float)) and not isinstance(reward, bool) else None
+    versions = [scale(v) for v in _sample_versions(rs)]
+    reward = next((r for r in (rs.get("reward"), s.get("local_raw_reward"))  # a dict of rewards: slime's pick
+                   if isinstance(r, (int, float)) and not isinstance(r, bool)), None)
+    reward = None if reward is None else float(reward)
     group = rs.get("group_index")
     if group is not None and (isinstance(group, bool) or not isinstance(group, int)):
         raise LabError(f"{where}: the rollout sample's 'group_index' is {group!r:.40}; expected an integer")
