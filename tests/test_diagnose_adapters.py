@@ -161,7 +161,10 @@ def _no_advantages(rec):
     (lambda r: r["loss_mask"].__setitem__(8, None), "'loss_mask' entry 8 is None; expected true/false"),
     (lambda r: r["trainer_logprobs"].__setitem__(7, "nan"), "'trainer_logprobs' entry 7 is 'nan'; expected a number"),
     (lambda r: r.__setitem__("run_id", ["a"]), "'run_id' is ['a']; expected a string"),
-], ids=["null-token", "float-token", "string-advantage", "string-mask", "null-mask", "string-logprob", "list-run"])
+    (lambda r: r.__setitem__("advantages", 2**70), "field 'advantages' is 1.1805916207174113e+21; expected a list"),
+    (lambda r: r.__setitem__("rewards", {"r": 1}), "field 'rewards' is {'r': 1}; expected a list"),
+], ids=["null-token", "float-token", "string-advantage", "string-mask", "null-mask", "string-logprob", "list-run",
+        "scalar-advantages", "dict-rewards"])
 def test_prime_rl_malformed_values_are_one_line(prime_dump, tmp_path, capsys, edit, message):
     root, records = prime_dump
     f = root / "token_exports" / "step_1" / "rank_1.jsonl"
@@ -311,7 +314,8 @@ def test_slime_refuses_unknown_classes_unless_trusted(tmp_path, capsys):
     (lambda s, r: s.__setitem__("rollout_position", "first"), "needs integer 'response_lengths' and 'total_lengths'"),
     (lambda s, r: r[s["rollout_position"]].__setitem__("group_index", "g0"),
      "the rollout sample's 'group_index' is 'g0'"),
-], ids=["null-token", "string-mask", "string-advantage", "string-position", "string-group"])
+    (lambda s, r: s.__setitem__("sample_index", [1, 2]), "needs integer 'response_lengths' and 'total_lengths'"),
+], ids=["null-token", "string-mask", "string-advantage", "string-position", "string-group", "list-index"])
 def test_slime_malformed_values_are_one_line(tmp_path, capsys, edit, message):
     dump = tmp_path / "dump"
     write_slime_dump(dump, 0, np.random.default_rng(6))
@@ -324,6 +328,33 @@ def test_slime_malformed_values_are_one_line(tmp_path, capsys, edit, message):
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and err.startswith(f"error: {dump / 'train_data' / '0.pt'} sample 2: {message}")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["dump"]
+
+
+@pytest.mark.parametrize("index", [[1, 2], np.ones(2), "a", 1.5])
+def test_slime_per_rank_sample_indices_must_be_integers(tmp_path, capsys, index):
+    dump = tmp_path / "dump"
+    write_slime_dump(dump, 0, np.random.default_rng(6), legacy=True)
+    f = dump / "train_data" / "0_0.pt"
+    train = torch.load(f, weights_only=False)
+    train["rollout_data"]["sample_indices"][1] = index
+    torch.save(train, f)
+    assert main(["--from", "slime", str(dump), "--out", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith(f"error: {f} sample 1: 'sample_index' is ")
+    assert err.endswith("expected an integer") and sorted(p.name for p in tmp_path.iterdir()) == ["dump"]
+
+
+@pytest.mark.parametrize("version", [2**70, -2**70, 1e308, float("nan"), str(10**30), [1]])
+def test_slime_weight_versions_beyond_an_integer_are_unknown(tmp_path, version):
+    dump = tmp_path / "dump"
+    for rid in (0, 1):
+        write_slime_dump(dump, rid, np.random.default_rng(8))
+    f = dump / "rollout_data" / "1.pt"
+    rollout = torch.load(f, weights_only=False)
+    rollout["samples"][0]["weight_versions"] = [version]
+    torch.save(rollout, f)
+    seq = RolloutLog(convert("slime", dump, tmp_path / "n")).sequences()
+    assert seq["version_min"].isna().sum() == 1 and seq["version_max"].isna().sum() == 1
 
 
 def test_slime_truncated_file(tmp_path, capsys):
@@ -473,6 +504,30 @@ def test_skyrl_unpickling_runs_no_code(tmp_path, monkeypatch, capsys):
     err = capsys.readouterr().err
     assert "global_step_1_training_input.pkl: the pickle references pathlib" in err and "not loaded" in err
     assert not marker.exists() and not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("metadata", [torch.ones(3), None, "meta", [1, 2]])
+def test_skyrl_metadata_that_is_not_a_dict_is_read_as_absent(tmp_path, monkeypatch, metadata):
+    """SkyRL's metadata only adds group ids (prompt boundaries or uids): anything but a dict is read as none."""
+    cls = skyrl_module(monkeypatch, True)
+    batch = skyrl_batch(cls, np.random.default_rng(5))
+    batch.metadata = metadata
+    d = tmp_path / "dumped_data"
+    d.mkdir()
+    with open(d / "global_step_3_training_input.pkl", "wb") as f:
+        pickle.dump(batch, f)
+    with open(tmp_path / "global_step_3_training_input.pkl", "wb") as f:  # the same batch with its metadata
+        batch.metadata = skyrl_batch(cls, np.random.default_rng(5)).metadata
+        pickle.dump(batch, f)
+    monkeypatch.undo()
+    tok, seq = _tables(convert("skyrl", d, tmp_path / "n"))
+    (tmp_path / "with_meta").mkdir()
+    (tmp_path / "global_step_3_training_input.pkl").rename(tmp_path / "with_meta" / "global_step_3_training_input.pkl")
+    tok_m, seq_m = _tables(convert("skyrl", tmp_path / "with_meta", tmp_path / "m"))
+    assert seq["group_id"].isna().all() and seq_m["group_id"].notna().any()
+    m, m_m = tok[tok["loss_mask"]], tok_m[tok_m["loss_mask"]]
+    for col in ("step", "sample_id", "position", "sampler_logp", "old_logp"):
+        np.testing.assert_array_equal(m[col].to_numpy(), m_m[col].to_numpy())
 
 
 def test_skyrl_shapes_must_match(tmp_path, monkeypatch):

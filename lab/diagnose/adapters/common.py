@@ -175,20 +175,23 @@ def mask_array(values, where: str, name: str) -> np.ndarray:
 
 
 def int_version(v):
-    """A policy version as an int: SGLang names the weights it was launched with "default" (version 0)."""
+    """A policy version as an int: SGLang names the weights it was launched with "default" (version 0); NaN
+    (unknown) for anything that is not an integer below 2^62."""
     if v is None:
         return np.nan
     if isinstance(v, str):
         if v.strip() == "default":
             return 0
         try:
-            return int(v)
+            v = int(v)
         except ValueError:
             return np.nan
+        return v if -2**62 < v < 2**62 else np.nan
     try:
-        return int(v)
-    except (TypeError, ValueError):
+        v = int(v)
+    except (TypeError, ValueError, OverflowError):
         return np.nan
+    return v if -2**62 < v < 2**62 else np.nan
 
 
 class SequenceBuffer:

@@ -119,6 +119,8 @@ def _parse_record(line: bytes, where: str) -> dict:
     n = len(rec["token_ids"])
     for k in (*REQUIRED[1:], "advantages", "rewards", "entropy", "temperatures", *WEIGHT_STREAMS):
         v = rec.get(k)
+        if v is not None and not isinstance(v, list):
+            raise LabError(f"{where}: field {k!r} is {v!r:.40}; expected a list with one entry per token")
         if isinstance(v, list) and len(v) != n:
             raise LabError(f"{where}: {k!r} has {len(v)} entries but 'token_ids' has {n}")
     return rec

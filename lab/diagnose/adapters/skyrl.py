@@ -63,17 +63,19 @@ def find_files(path: Path) -> list[tuple[int | None, Path]]:
 
 
 def _fields(batch, source: Path) -> tuple[dict, dict]:
-    state = getattr(batch, "state", None) or {}
+    state = getattr(batch, "state", None)
+    state = {} if state is None else state
     if not isinstance(state, dict):
         raise LabError(f"{source}: unexpected TrainingInputBatch state of type {type(state).__name__}")
     fields = {k: v for k, v in dict(batch).items()}  # earlier releases also pickle the items themselves
-    bd = state.get("batch_dict") or {}
+    bd = state.get("batch_dict")
+    bd = {} if bd is None else bd
     if not isinstance(bd, dict):
         raise LabError(f"{source}: 'batch_dict' is not a dict")
     for k, v in bd.items():  # only what the conversion reads (routed experts and pixel values can be gigabytes)
         if k in _USED:
             fields[k] = decode_skyrl_field(v, source=source, key=k)
-    meta = state.get("metadata") or {}
+    meta = state.get("metadata")
     return fields, meta if isinstance(meta, dict) else {}
 
 

@@ -174,8 +174,20 @@ def _fingerprint(samples: list[dict], f: Path) -> tuple:
     for i, s in enumerate(samples):
         toks = s.get("tokens")
         arr = int_array(toks if toks is not None else [], f"{f} sample {i}", "tokens")
-        out.append((s.get("sample_index"), arr.size, int(arr.sum()), int(arr[-1]) if arr.size else -1))
+        out.append((_sample_index(s.get("sample_index"), f"{f} sample {i}"), arr.size, int(arr.sum()),
+                    int(arr[-1]) if arr.size else -1))
     return tuple(out)
+
+
+def _sample_index(v, where: str):
+    """A sample's ``sample_index`` as an int (None when absent); one LabError for anything but an integer."""
+    if v is None:
+        return None
+    if hasattr(v, "item") and getattr(v, "ndim", None) == 0:
+        v = v.item()
+    if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+        raise LabError(f"{where}: 'sample_index' is {v!r:.40}; expected an integer")
+    return int(v)
 
 
 def _log_probs_state(samples: list[dict]) -> str:
