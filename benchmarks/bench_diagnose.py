@@ -173,7 +173,7 @@ def write_dumps(folder: Path, n_tokens: int, seed: int = 0) -> dict:
 
     rng = np.random.default_rng(seed)
     out = {"prime-rl": folder / "prime", "nemo-rl": folder / "nemo", "slime": folder / "slime"}
-    done = folder / f"done_{n_tokens}"
+    done = folder / f"done_v2_{n_tokens}"  # v2: NeMo-RL rows as one-element lists
     if done.exists():
         return out
     shutil.rmtree(folder, ignore_errors=True)
@@ -195,11 +195,12 @@ def write_dumps(folder: Path, n_tokens: int, seed: int = 0) -> dict:
                                         "loss_mask": [True] * int(n), "advantages": [0.5] * int(n),
                                         "inference_logprobs": s.astype(float).tolist(),
                                         "trainer_logprobs": o.astype(float).tolist()}, separators=(",", ":")) + "\n")
-                nemo.write(json.dumps({"content": f"sample {i}", "rewards": 1.0, "input_lengths": int(n),
-                                       "token_ids": toks.tolist(), "token_loss_mask": [1] * int(n),
-                                       "sample_loss_mask": 1, "advantages": [0.5] * int(n),
-                                       "generation_logprobs": s.astype(float).tolist(),
-                                       "prev_logprobs": o.astype(float).tolist(), "idx": i}) + "\n")
+                # NeMo-RL's logger writes each field sliced to the sample's row: a one-element list
+                nemo.write(json.dumps({"content": [f"sample {i}"], "rewards": [1.0], "input_lengths": [int(n)],
+                                       "token_ids": [toks.tolist()], "token_loss_mask": [[1] * int(n)],
+                                       "sample_loss_mask": [1], "advantages": [[0.5] * int(n)],
+                                       "generation_logprobs": [s.astype(float).tolist()],
+                                       "prev_logprobs": [o.astype(float).tolist()], "idx": i}) + "\n")
                 samples.append({"tokens": torch.tensor(toks), "response_lengths": int(n), "total_lengths": int(n),
                                  "loss_masks": torch.ones(n, dtype=torch.int), "rollout_log_probs": torch.tensor(s),
                                  "log_probs": torch.tensor(o), "rollout_position": i})

@@ -347,11 +347,12 @@ def _interrupt_handled() -> None:
 
 
 def _say(line: str) -> None:
-    """The error line, after any progress bar still open (so it is the last line)."""
+    """The error line, after any progress bar still open (so it is the last line); one line whatever it quotes (a
+    value's multi-line repr, a file name with a line break)."""
     from lab.progress import close_all
 
     close_all()
-    print(line, file=sys.stderr, flush=True)
+    print(" ".join(part.strip() for part in line.splitlines()), file=sys.stderr, flush=True)
 
 
 if __name__ == "__main__":

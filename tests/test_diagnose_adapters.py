@@ -315,7 +315,10 @@ def test_slime_refuses_unknown_classes_unless_trusted(tmp_path, capsys):
     (lambda s, r: r[s["rollout_position"]].__setitem__("group_index", "g0"),
      "the rollout sample's 'group_index' is 'g0'"),
     (lambda s, r: s.__setitem__("sample_index", [1, 2]), "needs integer 'response_lengths' and 'total_lengths'"),
-], ids=["null-token", "string-mask", "string-advantage", "string-position", "string-group", "list-index"])
+    (lambda s, r: r[s["rollout_position"]].__setitem__("group_index", 2**70),
+     "group_id 1180591620717411303424 is beyond 2^53"),
+], ids=["null-token", "string-mask", "string-advantage", "string-position", "string-group", "list-index",
+        "huge-group"])
 def test_slime_malformed_values_are_one_line(tmp_path, capsys, edit, message):
     dump = tmp_path / "dump"
     write_slime_dump(dump, 0, np.random.default_rng(6))
@@ -542,6 +545,22 @@ def test_skyrl_shapes_must_match(tmp_path, monkeypatch):
     with pytest.raises(LabError, match=r"global_step_3_training_input.pkl: 'rollout_logprobs' has shape \(5, 5\) but "
                                        r"'loss_mask' has \(5, 6\)"):
         convert("skyrl", d, tmp_path / "n")
+
+
+def test_an_error_quoting_a_multi_line_value_is_one_line(tmp_path, monkeypatch, capsys):
+    cls = skyrl_module(monkeypatch, True)
+    batch = skyrl_batch(cls, np.random.default_rng(5))
+    batch.metadata["policy_prompt_boundaries"] = [torch.zeros(3, 2)]  # its repr spans three lines
+    d = tmp_path / "dumped_data"
+    d.mkdir()
+    with open(d / "global_step_3_training_input.pkl", "wb") as f:
+        pickle.dump(batch, f)
+    monkeypatch.undo()
+    assert main(["--from", "skyrl", str(d), "--out", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    f = d / "global_step_3_training_input.pkl"
+    assert err.count("\n") == 1
+    assert err.startswith(f"error: {f}: metadata 'policy_prompt_boundaries' entry 0 is tensor([[0., 0.], [0., 0.],")
 
 
 @pytest.mark.parametrize("bounds,message", [

@@ -207,6 +207,11 @@ class SequenceBuffer:
         self.n_sequences = 0
 
     def add(self, run: str, step: int, sample_id: int, tokens: dict, seq: dict) -> None:
+        for f in ("group_id", "version_min", "version_max", "trainer_version"):  # stored as float64: exact to 2^53
+            v = seq.get(f)
+            if v is not None and not (isinstance(v, float) and math.isnan(v)) and not -2**53 <= v <= 2**53:
+                raise LabError(f"{seq.get('origin') or f'step {step}, sample {sample_id}'}: {f} {v!r:.40} is beyond "
+                               f"2^53; expected a small integer")
         n = len(tokens["loss_mask"])
         self._tok.append((run, step, sample_id, n, tokens))
         self._seq.append((run, step, sample_id, n, seq))
