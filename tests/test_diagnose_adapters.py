@@ -347,14 +347,14 @@ def test_slime_per_rank_sample_indices_must_be_integers(tmp_path, capsys, index)
     assert err.endswith("expected an integer") and sorted(p.name for p in tmp_path.iterdir()) == ["dump"]
 
 
-@pytest.mark.parametrize("version", [2**70, -2**70, 1e308, float("nan"), str(10**30), [1]])
+@pytest.mark.parametrize("version", [2**70, -2**70, 1e308, float("nan"), str(10**30), [1], np.ones(4)])
 def test_slime_weight_versions_beyond_an_integer_are_unknown(tmp_path, version):
     dump = tmp_path / "dump"
     for rid in (0, 1):
         write_slime_dump(dump, rid, np.random.default_rng(8))
     f = dump / "rollout_data" / "1.pt"
     rollout = torch.load(f, weights_only=False)
-    rollout["samples"][0]["weight_versions"] = [version]
+    rollout["samples"][0]["weight_versions"] = version if isinstance(version, np.ndarray) else [version]
     torch.save(rollout, f)
     seq = RolloutLog(convert("slime", dump, tmp_path / "n")).sequences()
     assert seq["version_min"].isna().sum() == 1 and seq["version_max"].isna().sum() == 1

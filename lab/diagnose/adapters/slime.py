@@ -346,7 +346,8 @@ def _rollout(f: Path | None, trust: bool) -> list:
 
 
 def _sample_versions(rs: dict) -> list[int]:
-    wv = rs.get("weight_versions") or []
+    wv = rs.get("weight_versions")
+    wv = [] if wv is None else wv
     versions = [int_version(v) for v in (wv if isinstance(wv, (list, tuple)) else [wv])]
     return [int(v) for v in versions if np.isfinite(v)]
 
