@@ -93,6 +93,9 @@ def git_revision() -> str | None:
 
 
 def jsonable(obj):
+    """``obj`` as plain JSON data: numpy scalars as Python numbers, non-finite floats as null."""
+    if hasattr(obj, "dtype") and getattr(obj, "ndim", None) == 0 and hasattr(obj, "item"):  # a numpy scalar
+        obj = obj.item()
     if isinstance(obj, float) and not math.isfinite(obj):
         return None
     if isinstance(obj, dict):
