@@ -11,6 +11,7 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 import pytest
 
@@ -294,3 +295,14 @@ def test_fields_added_later_keep_the_cell_ids_of_folders_written_before_them():
     assert cell_id({**cell, "top_p": 1.0, "top_k": None, "min_p": 0.0, "mask_replay": False}) == cell_id(cell)
     for key, value in (("top_p", 0.9), ("top_k", 2), ("min_p", 0.1), ("mask_replay", True)):
         assert key in LATER_FIELDS["train"] and cell_id({**cell, key: value}) != cell_id(cell)
+
+
+def test_summaries_serialise_numpy_scalars_and_non_finite_values(tmp_path):
+    from lab.runs import write_json
+
+    obj = {"a": np.float32(0.5), "b": np.int64(3), "c": [np.bool_(True), np.float64("nan"), float("inf")],
+           "d": {np.int64(1): np.array(2.5)}}
+    write_json(tmp_path / "s.json", obj)
+    text = (tmp_path / "s.json").read_text()
+    assert json.loads(text, parse_constant=lambda c: pytest.fail(c)) == {"a": 0.5, "b": 3, "c": [True, None, None],
+                                                                          "d": {"1": 2.5}}
