@@ -360,6 +360,23 @@ def test_slime_weight_versions_beyond_an_integer_are_unknown(tmp_path, version):
     assert seq["version_min"].isna().sum() == 1 and seq["version_max"].isna().sum() == 1
 
 
+@pytest.mark.parametrize("steps", [1, 2])
+def test_slime_rollouts_trained_in_several_optimizer_steps_carry_a_note(tmp_path, steps):
+    """slime's dump (train_data_utils._build_dump_payload) keeps each rank's num_microbatches, one entry per optimizer
+    step; with several, log_probs may come from the training forward after earlier updates (a note says when)."""
+    dump = tmp_path / "dump"
+    for rid in (0, 1):
+        write_slime_dump(dump, rid, np.random.default_rng(9))
+    f = dump / "train_data" / "1.pt"
+    train = torch.load(f, weights_only=False)
+    for shard in train["dp_shards"]:
+        shard["num_microbatches"] = [1] * steps
+    torch.save(train, f)
+    notes = RolloutLog(convert("slime", dump, tmp_path / "n")).meta["notes"]
+    found = [n for n in notes if "more than one optimizer step" in n]
+    assert found == ([] if steps == 1 else [found[0]]) and (steps == 1 or found[0].startswith("1 of 2 rollouts"))
+
+
 def test_slime_truncated_file(tmp_path, capsys):
     dump = tmp_path / "dump"
     write_slime_dump(dump, 0, np.random.default_rng(7))

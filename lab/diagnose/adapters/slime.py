@@ -146,12 +146,17 @@ def _classify(payload, f: Path) -> tuple[str, int]:
 
 
 # ------------------------------------------------------------------------------------------------ train samples
-def _v2_samples(payload: dict, f: Path) -> list:
+def _v2_samples(payload: dict, f: Path, info: dict) -> list:
     if payload["format_version"] != 2:
         raise LabError(f"{f}: format_version {payload['format_version']!r:.40} is not supported (2 is)")
     samples = payload.get("samples")
     if not isinstance(samples, list):
         raise LabError(f"{f}: 'samples' is missing or not a list")
+    shards = payload.get("dp_shards")
+    steps = [len(d["num_microbatches"]) for d in (shards if isinstance(shards, list) else [])
+             if isinstance(d, dict) and isinstance(d.get("num_microbatches"), (list, tuple))]
+    info["rollouts"] += 1
+    info["multi_step"] += bool(steps) and max(steps) > 1  # num_microbatches: one entry per optimizer step
     return [(f, i, s) for i, s in enumerate(samples)]
 
 
@@ -207,10 +212,10 @@ def _length(x) -> int:
     return int(x.numel()) if hasattr(x, "numel") else len(x) if isinstance(x, (list, tuple)) else -1
 
 
-def _train_samples(files: list[Path], trust: bool) -> list:
+def _train_samples(files: list[Path], trust: bool, info: dict) -> list:
     """(file, index in file, sample dict) for every training sample of one rollout: a format_version 2 file's
-    samples, or per-rank files grouped by the samples they hold, one file per group (the lowest rank with whole-
-    response log_probs)."""
+    samples (counting in ``info`` the rollouts trained in more than one optimizer step), or per-rank files grouped
+    by the samples they hold, one file per group (the lowest rank with whole-response log_probs)."""
     groups: dict = {}  # fingerprint -> {"files": [...], "best": (rank, f, samples) | None, "slice": bool}
     for f in sorted(files, key=lambda f: [int(x) if x.isdigit() else x for x in re.split(r"(\d+)", f.name)]):
         payload = torch_load(f, trust)
@@ -220,7 +225,7 @@ def _train_samples(files: list[Path], trust: bool) -> list:
             if len(files) > 1:
                 raise LabError(f"{f}: one of several train dumps for rollout {payload.get('rollout_id')} "
                                f"({', '.join(x.name for x in files)}); keep one")
-            return _v2_samples(payload, f)
+            return _v2_samples(payload, f, info)
         if not isinstance(payload.get("rollout_data"), dict):
             raise LabError(f"{f}: neither a format_version 2 train dump nor a per-rank one with 'rollout_data'")
         rank = payload.get("rank") if isinstance(payload.get("rank"), int) else 0
@@ -356,6 +361,7 @@ def convert(path, out, *, trust: bool = False, sampling: dict | None = None, pro
     files = _discover(Path(path), trust)
     writer = NeutralLogWriter(out, make_meta("slime", LOGP, **(sampling or {})))
     versions = _Versions()
+    info = {"rollouts": 0, "multi_step": 0}
     try:
         buf = SequenceBuffer(writer)
         for rid, train_files in sorted(files.train.items()):
@@ -365,9 +371,15 @@ def convert(path, out, *, trust: bool = False, sampling: dict | None = None, pro
             all_v = [v for s in rollout if isinstance(s, dict) for v in _sample_versions(s)]
             tv = versions.trainer_version(rid, min(all_v) if all_v else None, max(all_v) if all_v else None)
             seen: dict = {}
-            for f, i, s in _train_samples(train_files, trust):
+            for f, i, s in _train_samples(train_files, trust, info):
                 _add_sample(buf, rid, f, i, s, rollout, by_index, tv, versions.scale, seen)
         buf.flush()
+        if info["multi_step"]:
+            writer.meta["notes"].append(
+                f"{info['multi_step']} of {info['rollouts']} rollouts were trained in more than one optimizer step: "
+                f"if the run used --use-rollout-logprobs without --get-mismatch-metrics, slime (since 2026-08-12, "
+                f"681b3adca) dumps log_probs taken in the training forward, so for samples trained after the first "
+                f"step they follow the earlier updates and trainer old / sampler also holds that drift")
         if versions.spaced:
             writer.meta["notes"].append("slime pushed its weights less often than once per rollout (train_async.py "
                                         "--update-weights-interval): weight versions are counted in rollouts "
