@@ -9,6 +9,7 @@ import math
 import pickle
 import sys
 import types
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -315,10 +316,12 @@ def test_slime_refuses_unknown_classes_unless_trusted(tmp_path, capsys):
     (lambda s, r: r[s["rollout_position"]].__setitem__("group_index", "g0"),
      "the rollout sample's 'group_index' is 'g0'"),
     (lambda s, r: s.__setitem__("sample_index", [1, 2]), "needs integer 'response_lengths' and 'total_lengths'"),
+    (lambda s, r: s.__setitem__("log_probs", s["log_probs"].to(torch.complex64)),
+     "'log_probs' is a torch.complex64 array; expected real numbers"),
     (lambda s, r: r[s["rollout_position"]].__setitem__("group_index", 2**70),
      "group_id 1180591620717411303424 is beyond 2^53"),
 ], ids=["null-token", "string-mask", "string-advantage", "string-position", "string-group", "list-index",
-        "huge-group"])
+        "complex-log-probs", "huge-group"])
 def test_slime_malformed_values_are_one_line(tmp_path, capsys, edit, message):
     dump = tmp_path / "dump"
     write_slime_dump(dump, 0, np.random.default_rng(6))
@@ -548,6 +551,24 @@ def test_skyrl_metadata_that_is_not_a_dict_is_read_as_absent(tmp_path, monkeypat
     m, m_m = tok[tok["loss_mask"]], tok_m[tok_m["loss_mask"]]
     for col in ("step", "sample_id", "position", "sampler_logp", "old_logp"):
         np.testing.assert_array_equal(m[col].to_numpy(), m_m[col].to_numpy())
+
+
+@pytest.mark.parametrize("dtype", [torch.complex64, torch.bool])
+def test_skyrl_log_probs_that_are_not_real_numbers_are_one_line(tmp_path, monkeypatch, capsys, dtype):
+    cls = skyrl_module(monkeypatch, True)
+    batch = skyrl_batch(cls, np.random.default_rng(5))
+    batch["rollout_logprobs"] = batch["rollout_logprobs"].to(dtype)
+    d = tmp_path / "dumped_data"
+    d.mkdir()
+    with open(d / "global_step_3_training_input.pkl", "wb") as f:
+        pickle.dump(batch, f)
+    monkeypatch.undo()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert main(["--from", "skyrl", str(d), "--out", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert err == (f"error: {d / 'global_step_3_training_input.pkl'}: 'rollout_logprobs' is a {dtype} tensor; "
+                   f"expected real numbers\n")
 
 
 def test_skyrl_shapes_must_match(tmp_path, monkeypatch):

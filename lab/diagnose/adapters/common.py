@@ -130,6 +130,9 @@ def float_array(values, where: str, name: str) -> np.ndarray:
             return np.array(values, dtype=np.float64)
         _entries(values, where, name, _number, "a number or null")
         return np.array([np.nan if v is None else v for v in values], dtype=np.float64)
+    kind = str(getattr(values, "dtype", ""))
+    if "complex" in kind or "bool" in kind:
+        raise LabError(f"{where}: {name!r} is a {kind} array; expected real numbers")
     try:
         values = values.detach().cpu().float().numpy() if hasattr(values, "detach") else values
         return np.asarray(values, dtype=np.float64).reshape(-1)

@@ -141,8 +141,14 @@ def _pad_size(meta: dict, B: int, f: Path) -> int:
     return pad
 
 
-def _np64(t):
-    return None if t is None else t.float().numpy().astype(np.float64)
+def _np64(t, f: Path, key: str):
+    """A real-valued tensor as float64 (through float32, the neutral log's log-prob dtype); one LabError for a
+    complex or boolean one."""
+    if t is None:
+        return None
+    if t.is_complex() or t.dtype == torch.bool:
+        raise LabError(f"{f}: {key!r} is a {t.dtype} tensor; expected real numbers")
+    return t.float().numpy().astype(np.float64)
 
 
 def convert(path, out, *, trust: bool = False, sampling: dict | None = None, progress=None) -> Path:
@@ -161,8 +167,8 @@ def convert(path, out, *, trust: bool = False, sampling: dict | None = None, pro
             pad = _pad_size(meta, B, f)
             mask = (fields["loss_mask"] != 0).numpy()
             resp_mask = (fields["response_mask"] != 0).numpy() if fields.get("response_mask") is not None else None
-            samp, old = _np64(fields["rollout_logprobs"]), _np64(fields["action_log_probs"])
-            adv, rew = _np64(fields.get("advantages")), _np64(fields.get("rewards"))
+            samp, old, adv, rew = (_np64(fields.get(k), f, k) for k in ("rollout_logprobs", "action_log_probs",
+                                                                        "advantages", "rewards"))
             seqs = fields.get("sequences")
             resp = seqs[:, -R:].long().numpy() if seqs is not None else None
             groups = _groups(meta, B - pad, f)
