@@ -316,12 +316,13 @@ def test_slime_refuses_unknown_classes_unless_trusted(tmp_path, capsys):
     (lambda s, r: r[s["rollout_position"]].__setitem__("group_index", "g0"),
      "the rollout sample's 'group_index' is 'g0'"),
     (lambda s, r: s.__setitem__("sample_index", [1, 2]), "needs integer 'response_lengths' and 'total_lengths'"),
+    (lambda s, r: s.__setitem__("rollout_position", 2**63), "sample id 9223372036854775808 is beyond 2^62"),
     (lambda s, r: s.__setitem__("log_probs", s["log_probs"].to(torch.complex64)),
      "'log_probs' is a torch.complex64 array; expected real numbers"),
     (lambda s, r: r[s["rollout_position"]].__setitem__("group_index", 2**70),
      "group_id 1180591620717411303424 is beyond 2^53"),
 ], ids=["null-token", "string-mask", "string-advantage", "string-position", "string-group", "list-index",
-        "complex-log-probs", "huge-group"])
+        "huge-position", "complex-log-probs", "huge-group"])
 def test_slime_malformed_values_are_one_line(tmp_path, capsys, edit, message):
     dump = tmp_path / "dump"
     write_slime_dump(dump, 0, np.random.default_rng(6))
@@ -378,6 +379,19 @@ def test_slime_rollouts_trained_in_several_optimizer_steps_carry_a_note(tmp_path
     notes = RolloutLog(convert("slime", dump, tmp_path / "n")).meta["notes"]
     found = [n for n in notes if "more than one optimizer step" in n]
     assert found == ([] if steps == 1 else [found[0]]) and (steps == 1 or found[0].startswith("1 of 2 rollouts"))
+
+
+@pytest.mark.parametrize("version", [torch.ones(3, dtype=torch.bool), "2", 2.0, True, 3])
+def test_slime_format_version_other_than_two_is_one_line(tmp_path, capsys, version):
+    dump = tmp_path / "dump"
+    write_slime_dump(dump, 0, np.random.default_rng(6))
+    f = dump / "train_data" / "0.pt"
+    train = torch.load(f, weights_only=False)
+    train["format_version"] = version
+    torch.save(train, f)
+    assert main(["--from", "slime", str(dump), "--out", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"error: {f}: format_version ") and "is not supported (2 is)" in err
 
 
 def test_slime_truncated_file(tmp_path, capsys):

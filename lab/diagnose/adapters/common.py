@@ -210,6 +210,10 @@ class SequenceBuffer:
         self.n_sequences = 0
 
     def add(self, run: str, step: int, sample_id: int, tokens: dict, seq: dict) -> None:
+        for name, v in (("step", step), ("sample id", sample_id)):
+            if not -2**62 < v < 2**62:
+                raise LabError(f"{seq.get('origin') or f'step {step}'}: {name} {v!r:.40} is beyond 2^62; expected a "
+                               f"small integer")
         for f in ("group_id", "version_min", "version_max", "trainer_version"):  # stored as float64: exact to 2^53
             v = seq.get(f)
             if v is not None and not (isinstance(v, float) and math.isnan(v)) and not -2**53 <= v <= 2**53:

@@ -147,8 +147,9 @@ def _classify(payload, f: Path) -> tuple[str, int]:
 
 # ------------------------------------------------------------------------------------------------ train samples
 def _v2_samples(payload: dict, f: Path, info: dict) -> list:
-    if payload["format_version"] != 2:
-        raise LabError(f"{f}: format_version {payload['format_version']!r:.40} is not supported (2 is)")
+    version = payload["format_version"]
+    if isinstance(version, bool) or not isinstance(version, int) or version != 2:
+        raise LabError(f"{f}: format_version {version!r:.40} is not supported (2 is)")
     samples = payload.get("samples")
     if not isinstance(samples, list):
         raise LabError(f"{f}: 'samples' is missing or not a list")
