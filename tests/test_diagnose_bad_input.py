@@ -265,3 +265,17 @@ def test_metadata_the_report_reads_is_checked_before_the_pass(edit, needle, tmp_
     (log / "meta.json").write_text(json.dumps(meta))
     err = one_line(capsys, main([str(log), "--out", str(tmp_path / "run")]))
     assert needle in err and "meta.json" in err and not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("save_log", [False, True])
+def test_a_dump_with_nothing_to_diagnose_names_the_dump_not_a_staging_folder(tmp_path, capsys, save_log):
+    rng = np.random.default_rng(0)
+    write_prime_export(tmp_path / "outputs", {(1, 0): [prime_record(rng, 1, 0, 0, 0, 0, 3, 5)]})
+    f = tmp_path / "outputs" / "token_exports" / "step_1" / "rank_0.jsonl"
+    f.write_text("\n")  # the export holds no record
+    argv = ["--from", "prime-rl", str(tmp_path / "outputs")]
+    argv += ["--save-log", str(tmp_path / "log")] if save_log else []
+    err = one_line(capsys, main(argv))
+    assert err == (f"error: {tmp_path / 'outputs'}: nothing to diagnose: no sequences; the log needs loss-masked "
+                   f"tokens with log-probs")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["outputs"]

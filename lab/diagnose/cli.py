@@ -280,7 +280,8 @@ def run(args) -> int:
 
                 scratch = scratch_dir("lab-diagnose")
                 dest = scratch / "log"
-            log = RolloutLog(source.convert(args.path, dest, trust=args.trust_pickle, sampling=sampling))
+            log = RolloutLog(source.convert(args.path, dest, trust=args.trust_pickle, sampling=sampling),
+                             shown_as=args.path)
         diag = diagnose(log, nan=args.nan, pair=args.pair, hyper=hyper, chunk_rows=args.chunk_rows, seed=args.seed)
         if args.out is not None:
             _write_out(outputs.stage(args.out), args, hyper, sampling, log, diag)

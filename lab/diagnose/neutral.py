@@ -381,8 +381,10 @@ class RolloutLogWriter:
 class RolloutLog:
     """A validated neutral rollout log: ``meta``, ``sequences()`` (pandas), ``iter_tokens()`` (numpy chunks)."""
 
-    def __init__(self, path):
+    def __init__(self, path, shown_as=None):
+        """``shown_as``: what errors about the whole log name (the framework dump a converted log came from)."""
         self.path = Path(path)
+        self.shown = Path(shown_as) if shown_as is not None else self.path
         if not self.path.exists():
             raise LabError(f"{self.path}: no such file or folder")
         if not self.path.is_dir():

@@ -161,7 +161,7 @@ class _Pass:
         cols = log.logp_columns
         self.pairs = pairs_of(cols)
         if not self.pairs:
-            raise LabError(f"{log.path}: no pair of log-prob columns to compare (has {', '.join(cols)})")
+            raise LabError(f"{log.shown}: no pair of log-prob columns to compare (has {', '.join(cols)})")
         self.corrections = resolve(self.pairs, names, pair, hyper)
         # steps: (run, step) groups numbered in order of first appearance in the sequences table
         step = np.asarray(self.seq["step"], np.int64)
@@ -512,7 +512,7 @@ class _Pass:
             what = (f"{self.n_seq} sequences, none with a loss-masked token" if self.n_seq
                     else "no sequences")
             dropped = f" ({total_bad} dropped by --nan drop)" if total_bad else ""
-            raise LabError(f"{self.log.path}: nothing to diagnose: {what}{dropped}; the log needs loss-masked tokens "
+            raise LabError(f"{self.log.shown}: nothing to diagnose: {what}{dropped}; the log needs loss-masked tokens "
                            f"with log-probs")
 
 
