@@ -30,6 +30,8 @@ import torch
 
 from lab.diagnose import RolloutLog, diagnose
 from lab.diagnose.adapters import convert
+from lab.diagnose.safe_load import load_skyrl_pickle
+from lab.errors import LabError
 from shipped_code import load, methods
 
 MODULE = "skyrl.backends.skyrl_train.training_batch"
@@ -51,8 +53,10 @@ SHAPES = {"Bool": _Shape, "Float": _Shape, "Integer": _Shape}
 @contextlib.contextmanager
 def shipped_skyrl():
     """SkyRL 0.4.0's functions and classes, ``training_batch`` registered in ``sys.modules`` under its real name only
-    inside the block (SkyRL's package itself is never imported: its ``__init__`` needs cloudpathlib, Ray, ...)."""
-    before = sys.modules.get(MODULE)
+    inside the block (importing it fails: ``skyrl/backends/__init__.py`` needs cloudpathlib and more). The import
+    statements the sources run leave parts of SkyRL's packages in ``sys.modules``; they are removed after it, as the
+    other SkyRL tests check that the lab reads a dump with no SkyRL module loaded."""
+    before, loaded = sys.modules.get(MODULE), set(sys.modules)
     try:
         packed = load("skyrl", "backends/skyrl_train/utils/packed_tensor.py")
         # the sample-support and routed-expert modules import Megatron's token metadata (not installed) for
@@ -69,7 +73,9 @@ def shipped_skyrl():
         assert batch["TrainingInputBatch"].__module__ == MODULE
         prep = load("skyrl", "train/dataset/preprocess.py",
                     ["logger", "ROUTED_EXPERT_TORCH_DTYPES", "make_router_padding_mask", "_verify_inputs",
-                     "_reward_to_numpy", "convert_prompts_responses_to_batch_tensors", "compute_prompt_boundaries",
+                     "_reward_to_numpy", "_fill_routed_expert_segment", "_collate_rollout_expert_indices",
+                     "_fill_sample_support_segment", "build_sample_support",
+                     "convert_prompts_responses_to_batch_tensors", "compute_prompt_boundaries",
                      "compute_prompt_mini_batch_boundaries"], common)
         config = load("skyrl", "train/config/config.py",
                       ["BaseConfig", "KLCtrlConfig", "SAPOConfig", "DynamicSamplingConfig", "ClipCovConfig",
@@ -90,9 +96,10 @@ def shipped_skyrl():
                            "compute_advantages_and_returns", "dump_data"], trainer_globals)
         yield {**batch, **trainer, "AlgorithmConfig": config["AlgorithmConfig"]}
     finally:
-        if before is None:
-            sys.modules.pop(MODULE, None)
-        else:
+        for name in set(sys.modules) - loaded:
+            if name.split(".")[0] in ("skyrl", "skyrl_gym"):
+                del sys.modules[name]
+        if before is not None:
             sys.modules[MODULE] = before
 
 
@@ -104,10 +111,12 @@ def model_logprobs(tokens: torch.Tensor, model: str) -> torch.Tensor:
     return -(((tokens * salt + 7) % 97).to(torch.float32) / 40.0 + 0.01)
 
 
-def generator_output(rng, n_prompts: int) -> tuple[dict, list[str]]:
+def generator_output(rng, n_prompts: int, routed: bool) -> tuple[dict, list[str]]:
     """What ``postprocess_generator_output`` hands ``convert_to_training_input``: N_SAMPLES responses per prompt,
     per-token rewards (the outcome on the last token), loss masks (a tool output inside one response, one response
-    left out of the loss entirely, as the overlong filter does) and the inference engine's log-probs."""
+    left out of the loss entirely, as the overlong filter does) and the inference engine's log-probs; ``routed``
+    adds what router replay (the MoE routes vLLM captured, uint8), sampler-support replay (top-k token ids per
+    response token, -1 padded) and a vision-language model (bfloat16 patches) add."""
     uids = [f"prompt-{k}" for k in range(n_prompts) for _ in range(N_SAMPLES)]
     prompts = {u: rng.integers(3, 900, int(rng.integers(2, 7))).tolist() for u in dict.fromkeys(uids)}
     responses = [rng.integers(3, 900, int(n)).tolist() for n in rng.integers(1, 10, len(uids))]
@@ -118,8 +127,17 @@ def generator_output(rng, n_prompts: int) -> tuple[dict, list[str]]:
     rewards = [[0.0] * (len(r) - 1) + [float(rng.integers(0, 2))] for r in responses]
     rewards[0][-1], rewards[1][-1] = 1.0, 0.0  # the first group has a nonzero spread
     logprobs = [(-rng.exponential(1.0, len(r))).tolist() for r in responses]
-    return {"prompt_token_ids": [prompts[u] for u in uids], "response_ids": responses, "rewards": rewards,
-            "loss_masks": masks, "rollout_logprobs": logprobs}, uids
+    out = {"prompt_token_ids": [prompts[u] for u in uids], "response_ids": responses, "rewards": rewards,
+           "loss_masks": masks, "rollout_logprobs": logprobs}
+    if routed:
+        totals = [len(prompts[u]) + len(r) for u, r in zip(uids, responses)]  # the last token has no captured route
+        out["rollout_expert_indices"] = [rng.integers(0, 8, (t - 1, 3, 2)).astype(np.uint8) for t in totals]
+        out["rollout_sample_support"] = [np.concatenate([rng.integers(3, 900, (len(r), 2)), np.full((len(r), 1), -1)],
+                                                        1).astype(np.int32) for r in responses]
+        out["pixel_values"] = [torch.tensor(rng.normal(size=(int(rng.integers(1, 4)), 8))).to(torch.bfloat16)
+                               for _ in uids]
+        out["image_grid_thw"] = [torch.tensor([[1, 1, len(p)]]) for p in out["pixel_values"]]
+    return out, uids
 
 
 def trainer_self(skyrl, export_path):
@@ -161,10 +179,11 @@ def run_steps(skyrl, export_path, steps: dict) -> dict:
     return dumped
 
 
-@pytest.fixture(scope="module")
-def run(tmp_path_factory):
+@pytest.fixture(scope="module", params=["text", "routed"])
+def run(tmp_path_factory, request):
     rng = np.random.default_rng(11)
-    steps = {3: generator_output(rng, 3), 4: generator_output(rng, 4)}  # 6 sequences (2 padding rows), 8 (none)
+    routed = request.param == "routed"  # 6 sequences (2 padding rows), then 8 (none)
+    steps = {3: generator_output(rng, 3, routed), 4: generator_output(rng, 4, routed)}
     export = tmp_path_factory.mktemp("skyrl") / "export"
     globals_named = {}
     with shipped_skyrl() as skyrl:
@@ -180,7 +199,7 @@ def run(tmp_path_factory):
 
             with open(f, "rb") as fh:
                 assert Recording(fh).load() == batch
-    assert MODULE not in sys.modules  # the lab reads the dump without SkyRL
+    assert MODULE not in sys.modules  # the lab reads the dump without SkyRL's batch module (importing it fails)
     log = RolloutLog(convert("skyrl", export, export.parent / "neutral"))
     assert MODULE not in sys.modules
     return steps, batches, log, globals_named, export
@@ -191,6 +210,7 @@ def _tables(path):
 
 
 # ------------------------------------------------------------------------------------------------ the checks
+@pytest.mark.slow  # loading SkyRL's sources runs their imports (Ray, transformers): seconds
 def test_the_dump_is_skyrls(run):
     """The batch really went through SkyRL's padding and right-aligned layout, and the pickle names SkyRL's module
     (the batch class, its rebuild function and its TensorFormat enum) besides torch.device."""
@@ -200,15 +220,20 @@ def test_the_dump_is_skyrls(run):
     assert set(b3.metadata) == {"policy_mini_batch_boundaries", "policy_prompt_boundaries", "response_length",
                                 "avg_response_length", "pad_size", "metrics"}
     assert b3.metadata["policy_prompt_boundaries"] == [(0, 2), (2, 4), (4, 6)]
-    assert "rewards" not in b3 and b3["values"] is None and b3["rollout_expert_indices"] is None
+    assert "rewards" not in b3 and b3["values"] is None
+    routed = b3["rollout_expert_indices"] is not None
+    assert routed == (b3["rollout_sample_support"] is not None) == (b3["pixel_values"] is not None)
     assert (b3["loss_mask"][6:] == 0).all() and torch.equal(b3["sequences"][6:], b3["sequences"][:1].expand(2, -1))
     short = b3["response_mask"][0]
     assert short[0] == 0 and short[-1] == 1  # right-aligned: the response fills the last columns
-    for step in steps:
-        assert names[step] == {(MODULE, "_rebuild_tensor_batch"), (MODULE, "TrainingInputBatch"),
-                               (MODULE, "TensorFormat"), ("torch", "device")}
+    for step in steps:  # router and support replay keep their packed values as numpy arrays in the pickle
+        numpy = {(m, n) for m, n in names[step] if m.split(".")[0] == "numpy"}
+        assert bool(numpy) == routed and names[step] - numpy == {
+            (MODULE, "_rebuild_tensor_batch"), (MODULE, "TrainingInputBatch"), (MODULE, "TensorFormat"),
+            ("torch", "device")}
 
 
+@pytest.mark.slow
 def test_converted_value_by_value(run):
     steps, batches, log, _, export = run
     tok, seq = _tables(log.path)
@@ -246,7 +271,8 @@ def test_converted_value_by_value(run):
 
 
 def grpo(rewards, groups, eps=1e-6) -> np.ndarray:
-    """GRPO's outcome advantage, (r - mean_group) / (sample std_group + eps), restated (DeepSeekMath, eq. 3)."""
+    """GRPO's outcome advantage (Shao et al. 2024, DeepSeekMath), restated: (r - mean_group) / (std_group + eps),
+    the standard deviation with n - 1 in the denominator as SkyRL's torch.std takes it."""
     r = np.array([sum(x) for x in rewards], dtype=np.float64)
     g = np.array(groups)
     out = np.empty_like(r)
@@ -256,6 +282,7 @@ def grpo(rewards, groups, eps=1e-6) -> np.ndarray:
     return out
 
 
+@pytest.mark.slow
 def test_headline_numbers(run):
     steps, _, log, _, _ = run
     d = diagnose(log, progress=False)
@@ -263,7 +290,7 @@ def test_headline_numbers(run):
     for out, _ in steps.values():
         for resp, mask, lp in zip(out["response_ids"], out["loss_masks"], out["rollout_logprobs"]):
             m = np.array(mask) > 0
-            # the log keeps SkyRL's float32 log-probs; the difference is taken in float32, as SkyRL's would be
+            # the log keeps SkyRL's float32 log-probs, and the lab takes their difference in float32
             x = (model_logprobs(torch.tensor(resp), "policy").numpy() - np.array(lp, np.float32))[m].astype(np.float64)
             delta.append(x)
             if m.any():
@@ -275,3 +302,49 @@ def test_headline_numbers(run):
     assert row["mean_abs"] == pytest.approx(np.abs(delta).mean(), rel=1e-9)
     assert row["max_abs"] == pytest.approx(np.abs(delta).max(), rel=1e-9)
     assert row["logw_mean"] == pytest.approx(np.mean(L), rel=1e-9)
+
+
+@pytest.mark.slow
+def test_the_adapter_tests_stand_in_reads_as_skyrls_batch(run, monkeypatch, tmp_path):
+    """The stand-in class of tests/test_diagnose_adapters.py, pickling the same batch, decodes to the same state
+    (batch size, device, metadata, every dense and list field's encoding). Its bytes differ: SkyRL tags each field
+    with a ``TensorFormat`` member, the stand-in with a plain string; SkyRL's packed replay fields it cannot write."""
+    from test_diagnose_adapters import skyrl_module
+
+    steps, batches, _, _, export = run
+    real = load_skyrl_pickle(export / "dumped_data" / "global_step_3_training_input.pkl").state
+    batch = batches[3]
+    packed = {k for k, v in batch.items() if hasattr(v, "cu_seqlens")}  # PackedTensor
+    cls = skyrl_module(monkeypatch, True)
+    fake = cls({k: (list(v.tensors) if hasattr(v, "tensors") else v) for k, v in batch.items() if k not in packed})
+    fake.metadata = batch.metadata
+    (tmp_path / "stand_in.pkl").write_bytes(pickle.dumps(fake))
+    monkeypatch.undo()
+    stand_in = load_skyrl_pickle(tmp_path / "stand_in.pkl").state
+    assert {k: v for k, v in stand_in.items() if k != "batch_dict"} == {k: v for k, v in real.items()
+                                                                         if k != "batch_dict"}
+    assert stand_in["batch_dict"] == {k: v for k, v in real["batch_dict"].items() if k not in packed}
+    assert {real["batch_dict"][k]["format"] for k in packed} <= {"packed_tensor"}
+
+
+def test_a_format_tag_that_is_not_a_string_is_one_error(tmp_path, monkeypatch):
+    """``TensorFormat`` is read as its string; any other argument is a corrupt dump, one LabError."""
+    mod = types.ModuleType(MODULE)
+
+    def TensorFormat(value):  # noqa: N802 - pickled under SkyRL's name
+        raise AssertionError("never called when the lab reads a dump")
+
+    TensorFormat.__module__, TensorFormat.__qualname__, mod.TensorFormat = MODULE, "TensorFormat", TensorFormat
+
+    class Tag:
+        def __reduce__(self):
+            return (TensorFormat, (b"numpy",))
+
+    for name in ("skyrl", "skyrl.backends", "skyrl.backends.skyrl_train"):  # pickle imports the parents
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    monkeypatch.setitem(sys.modules, MODULE, mod)
+    f = tmp_path / "global_step_1_training_input.pkl"
+    f.write_bytes(pickle.dumps(Tag()))
+    monkeypatch.undo()
+    with pytest.raises(LabError, match=r"not a readable SkyRL pickle.*ValueError: TensorFormat of a bytes"):
+        load_skyrl_pickle(f)
