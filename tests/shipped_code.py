@@ -7,7 +7,9 @@ infrastructure, ``skyrl/backends/__init__.py`` its backends), which does not ins
 ``importlib.util.find_spec`` (which does not run the package's ``__init__``), runs the module's import statements
 where they succeed (the rest are left out: a function that needs one fails with NameError, visibly), and executes the
 named top-level definitions exactly as the file writes them, decorators on functions aside (registry decorators,
-which only record the function). The code under test is the trainer's own.
+which only record the function). The code under test is the trainer's own. ``load(..., module_name=...)`` defines
+them in a module of that name (a pickle names a class by its module), and ``methods`` takes functions from a class
+body the same way (a method called with a stand-in ``self`` that carries what the method reads).
 """
 from __future__ import annotations
 
@@ -40,12 +42,11 @@ def _name(node) -> str | None:
     return None
 
 
-def load(package: str, relative: str, names=None, namespace: dict | None = None) -> dict:
-    """The module's namespace with ``names`` (every top-level definition when None) defined from its source."""
+def _module(package: str, relative: str, namespace: dict | None, module_name: str | None):
     path = source_file(package, relative)
     tree = ast.parse(path.read_text(), filename=str(path))
-    module = types.ModuleType(f"shipped_{package}_{relative.replace('/', '_').removesuffix('.py')}")
-    sys.modules[module.__name__] = module  # dataclasses look their module up by name
+    module = types.ModuleType(module_name or f"shipped_{package}_{relative.replace('/', '_').removesuffix('.py')}")
+    sys.modules[module.__name__] = module  # dataclasses (and pickle) look their module up by name
     ns = module.__dict__
     ns.update(namespace or {})
 
@@ -58,6 +59,14 @@ def load(package: str, relative: str, names=None, namespace: dict | None = None)
                 run(node)
             except Exception:  # noqa: BLE001 - a heavy import the functions under test do not need
                 pass
+    return tree, ns, run
+
+
+def load(package: str, relative: str, names=None, namespace: dict | None = None,
+         module_name: str | None = None) -> dict:
+    """The module's namespace with ``names`` (every top-level definition when None) defined from its source, in a
+    module registered in ``sys.modules`` as ``module_name`` (the caller removes it) or a private ``shipped_`` name."""
+    tree, ns, run = _module(package, relative, namespace, module_name)
     wanted = None if names is None else set(names)
     for node in tree.body:
         name = _name(node)
@@ -69,6 +78,23 @@ def load(package: str, relative: str, names=None, namespace: dict | None = None)
     missing = (wanted or set()) - set(ns)
     assert not missing, f"{relative} defines no {sorted(missing)}"
     return ns
+
+
+def methods(package: str, relative: str, cls: str, names, namespace: dict | None = None) -> dict:
+    """Methods ``names`` of class ``cls`` as plain functions, defined from the source in the module's namespace (its
+    imports where they succeed, then ``namespace``); each is called with ``self`` passed explicitly."""
+    tree, ns, run = _module(package, relative, namespace, None)
+    (body,) = [n.body for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls] or [None]
+    assert body is not None, f"{relative} defines no class {cls}"
+    out = {}
+    for node in body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name in names:
+            node.decorator_list = []
+            run(node)
+            out[node.name] = ns.pop(node.name)
+    missing = set(names) - set(out)
+    assert not missing, f"{relative}: {cls} defines no {sorted(missing)}"
+    return out
 
 
 def permutation_keys(candidates, seed: int):

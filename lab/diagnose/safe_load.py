@@ -8,7 +8,8 @@ the user passes ``--trust-pickle``:
   builtin containers and scalars), with numpy arrays, dtypes and scalars added to its allow-list, because sample
   metadata often carries them. Any other class is refused with its name.
 - SkyRL (``pickle`` of ``TrainingInputBatch``): ``SkyRLUnpickler`` resolves only the batch class (to an inert
-  stand-in that keeps the pickled state; SkyRL itself is never imported), ``torch.device``, torch's tensor
+  stand-in that keeps the pickled state; SkyRL itself is never imported), its ``TensorFormat`` string enum (to the
+  plain string), ``torch.device``, torch's tensor
   rebuild functions (storages re-read with ``torch.load(weights_only=True)``), numpy arrays/dtypes/scalars,
   ``collections.OrderedDict`` and a few builtin constructors. The tensors inside SkyRL's state are themselves
   ``torch.save`` bytes or raw numpy buffers, decoded with the same restrictions.
@@ -91,6 +92,15 @@ def _rebuild_batch(cls, state):
     return obj
 
 
+def _tensor_format(value):
+    """SkyRL's ``TensorFormat(value)``: each field's encoding tag (``"numpy"``, ``"torch"``, ...) is a member of this
+    ``StrEnum`` (``training_batch.py``, 0.4.0), which pickles as the class called on its value; a ``StrEnum``
+    member is its string, so the plain string stands in."""
+    if type(value) is not str:
+        raise ValueError(f"TensorFormat of a {type(value).__name__}")
+    return value
+
+
 def _load_storage_bytes(b: bytes):
     return torch.load(io.BytesIO(b), map_location="cpu", weights_only=True)
 
@@ -111,6 +121,8 @@ class SkyRLUnpickler(pickle.Unpickler):
                 return SkyRLBatch
             if name == "_rebuild_tensor_batch":
                 return _rebuild_batch
+            if name == "TensorFormat":
+                return _tensor_format
         if (module, name) == ("torch", "device"):
             return torch.device
         if (module, name) == ("torch.storage", "_load_from_bytes"):

@@ -6,8 +6,10 @@ global_step_{N}_training_input.pkl`` (``RayPPOTrainer.dump_data``). The pickled 
 whose state is ``{"batch_dict": {key: tensor encoding}, "batch_size", "device", "metadata"}``: each tensor is
 ``torch.save`` bytes (earlier releases, whose pickle also carries the dict items through torch's tensor
 reducers) or ``{"format": "numpy", "data", "shape", "dtype"}`` / ``{"format": "torch", "data"}`` (later releases,
-rebuilt through ``_rebuild_tensor_batch``). Keys ([B, R] over the response unless said): ``sequences`` [B, P + R]
-(left-padded prompt, then the response), ``attention_mask``, ``response_mask``, ``loss_mask``,
+rebuilt through ``_rebuild_tensor_batch``; in 0.4.0 the format tag is a member of the ``TensorFormat`` string enum,
+read as its string, and the packed router- and sampler-support-replay fields are ``{"format": "packed_tensor"}``
+holding numpy arrays, which the conversion does not read). Keys ([B, R] over the response unless said):
+``sequences`` [B, P + R] (left-padded prompt, then the response), ``attention_mask``, ``response_mask``, ``loss_mask``,
 ``action_log_probs`` (the trainer's, before the update; None when that forward pass is skipped),
 ``rollout_logprobs`` (the inference engine's; None unless the generator returns them), ``advantages``,
 ``returns``, ``base_action_log_probs``, ``values``; metadata ``response_length``, ``policy_prompt_boundaries``
