@@ -12,6 +12,7 @@ import warnings
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
@@ -279,3 +280,21 @@ def test_a_dump_with_nothing_to_diagnose_names_the_dump_not_a_staging_folder(tmp
     assert err == (f"error: {tmp_path / 'outputs'}: nothing to diagnose: no sequences; the log needs loss-masked "
                    f"tokens with log-probs")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["outputs"]
+
+
+def test_log_probs_are_taken_in_the_declared_dtype(tmp_path, capsys):
+    """A float32 log whose column holds a float64 below float32's range: that log-prob is -inf in the log's dtype,
+    a sampled token of probability 0 (one line, or dropped with --nan drop), never a warning or a NaN table."""
+    log = lab_log(tmp_path / "log", -torch.rand(2, 3), -torch.rand(2, 3))
+    f = log / "tokens.parquet"
+    t = pq.read_table(f)
+    x = t["sampler_logp"].to_numpy().astype(np.float64)
+    x[4] = -1e300
+    pq.write_table(t.set_column(t.column_names.index("sampler_logp"), "sampler_logp", pa.array(x)), f)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        err = one_line(capsys, main([str(log)]))
+        assert "sampler_logp is -inf (probability 0 for a sampled token)" in err
+        assert main([str(log), "--nan", "drop", "--out", str(tmp_path / "run")]) == 0
+    overall = pq.read_table(tmp_path / "run" / "overall.parquet").to_pandas().set_index("pair")
+    assert overall.loc["mismatch", "n_tok"] == 5 and np.isfinite(overall.loc["mismatch", "mean_abs"])

@@ -292,6 +292,9 @@ class _Pass:
         bad_any = None
         for col in self.log.logp_columns:
             x = c[col]
+            if x.dtype != self.dtype:  # taken in the log's declared dtype: beyond float32, a float32 log's is inf
+                with np.errstate(over="ignore"):
+                    c[col] = x = x.astype(self.dtype)
             if np.isfinite(x.min()) and x.max() <= LOGP_MAX:  # every row finite and at most LOGP_MAX
                 continue
             with np.errstate(invalid="ignore"):
