@@ -456,6 +456,15 @@ def skyrl_module(monkeypatch, new: bool):
     return TrainingInputBatch
 
 
+def hide_skyrl(monkeypatch) -> None:
+    """Undo the stand-in and hide any SkyRL module another test imported (restored at teardown): the lab reads
+    SkyRL's dumps without SkyRL."""
+    monkeypatch.undo()
+    for name in [m for m in sys.modules if m.split(".")[0] in ("skyrl", "skyrl_train")]:
+        monkeypatch.delitem(sys.modules, name)
+    assert "skyrl_train" not in sys.modules and "skyrl" not in sys.modules
+
+
 def skyrl_batch(cls, rng, B=5, P=4, R=6, pad_rows=1):
     lengths = rng.integers(2, R + 1, B - pad_rows)
     resp_mask = np.zeros((B, R), np.int64)
@@ -491,8 +500,7 @@ def test_skyrl_dump_value_by_value(tmp_path, monkeypatch, new):
         batches[step] = skyrl_batch(cls, rng)
         with open(d / f"global_step_{step}_training_input.pkl", "wb") as f:  # TensorBatch.save
             pickle.dump(batches[step], f)
-    monkeypatch.undo()  # SkyRL is not importable while the lab reads its dumps
-    assert "skyrl_train" not in sys.modules and "skyrl" not in sys.modules
+    hide_skyrl(monkeypatch)  # SkyRL is not importable while the lab reads its dumps
     log = RolloutLog(convert("skyrl", tmp_path / "export", tmp_path / "neutral"))
     tok, seq = _tables(tmp_path / "neutral")
     assert log.meta["source"] == "skyrl"

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import pickle
-import sys
 
 import numpy as np
 import pytest
@@ -15,7 +14,7 @@ import torch
 from lab.diagnose import RolloutLog, diagnose
 from lab.diagnose.adapters import convert, detect
 from lab.diagnose.cli import main
-from test_diagnose_adapters import _tables, skyrl_module, slime_sample_to_dict
+from test_diagnose_adapters import _tables, hide_skyrl, skyrl_module, slime_sample_to_dict
 
 
 # ------------------------------------------------------------------------------------------------ slime
@@ -280,8 +279,7 @@ def test_skyrl_dump_versions(tmp_path, monkeypatch, version):
     d.mkdir(parents=True)
     with open(d / "global_step_3_training_input.pkl", "wb") as f:
         pickle.dump(batch, f)
-    monkeypatch.undo()
-    assert "skyrl" not in sys.modules and "skyrl_train" not in sys.modules
+    hide_skyrl(monkeypatch)
     log = RolloutLog(convert("skyrl", tmp_path / "export", tmp_path / "log"))
     tok, seq = _tables(log.path)
     assert list(seq["sample_id"]) == [0, 1, 2, 3, 4] and list(seq["response_length"]) == [len(r) for r in responses]
