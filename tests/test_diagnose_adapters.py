@@ -184,17 +184,50 @@ def test_prime_rl_malformed_values_are_one_line(prime_dump, tmp_path, capsys, ed
 # ------------------------------------------------------------------------------------------------ slime
 def slime_sample_to_dict(group_index, index, tokens, response_length, reward, loss_mask, weight_versions,
                          rollout_log_probs) -> dict:
-    """Sample.to_dict(): the dataclass's __dict__ with status, spec_info and prefix_cache_info made plain."""
-    return {"group_index": group_index, "index": index, "prompt": "Solve: 2 + 2 = ?", "tokens": tokens,
-            "multimodal_inputs": None, "multimodal_train_inputs": None, "response": "4",
-            "response_length": response_length,
-            "label": "4", "reward": reward, "loss_mask": loss_mask, "weight_versions": weight_versions,
-            "rollout_log_probs": rollout_log_probs, "rollout_routed_experts": None, "remove_sample": False,
-            "teacher_log_probs": None, "mopd_teacher_log_probs": None, "status": "completed", "metadata": {},
-            "generate_function_path": None, "train_metadata": None, "session_id": None, "non_generation_time": 0.0,
+    """Sample.to_dict(): the dataclass's __dict__ with status, spec_info and prefix_cache_info made plain (the fields
+    and their order of slime/utils/types.py at 624b824a8)."""
+    return {"group_index": group_index, "index": index, "rollout_id": None, "prompt": "Solve: 2 + 2 = ?",
+            "tokens": tokens, "multimodal_inputs": None, "multimodal_train_inputs": None,
+            "multimodal_train_input_id": None, "apply_chat_template_kwargs": {}, "response": "4",
+            "response_length": response_length, "label": "4", "reward": reward, "loss_mask": loss_mask,
+            "weight_versions": weight_versions, "rollout_log_probs": rollout_log_probs,
+            "rollout_top_p_token_ids": None, "rollout_top_p_token_offsets": None, "rollout_routed_experts": None,
+            "remove_sample": False, "teacher_log_probs": None, "status": "completed", "metadata": {},
+            "generate_function_path": None, "custom_rm_path": None, "train_metadata": None, "session_id": None,
+            "non_generation_time": 0.0,
             "spec_info": {"spec_accept_token_num": 0, "spec_draft_token_num": 0, "spec_verify_ct": 0,
                           "completion_token_num": 0},
             "prefix_cache_info": {"cached_tokens": 0, "total_prompt_tokens": len(tokens) - response_length}}
+
+
+def slime_v2_payload(rid: int, train: list[dict], raw_reward: list) -> dict:
+    """observability/train_data_utils.py _build_dump_payload (slime 624b824a8) for train samples that carry
+    ``data_parallel_rank``, ``sample_index`` and ``rollout_position`` (the rollout dump index, slime's
+    ``partition``): the per-sample columns of RolloutManager._convert_samples_to_train_data / process_rollout_data
+    (``rollout_ids`` = the sample's position when Sample.rollout_id is unset, ``rollout_mask_sums`` a 0-d float32
+    tensor, ``source_names`` "unknown" when the metadata names none, ``local_raw_reward`` the rank's slice of
+    ``raw_reward``), the samples sorted by rollout_position, one ``dp_shards`` entry per rank and ``raw_reward``, the
+    whole rollout's, at the top."""
+    samples = []
+    for t in train:
+        pos = t["rollout_position"]
+        smp = {"data_parallel_rank": t["data_parallel_rank"], "sample_index": t["sample_index"],
+               "rollout_position": pos, "truncated": 0, "rollout_ids": pos,
+               "rollout_mask_sums": torch.as_tensor(t["loss_masks"]).sum().to(torch.float32),
+               "source_names": "unknown", "local_raw_reward": raw_reward[pos]}
+        smp.update((k, v) for k, v in t.items() if k not in smp or k in ("local_raw_reward", "truncated"))
+        if "advantages" in smp:
+            smp.setdefault("returns", smp["advantages"].clone())
+        samples.append(smp)
+    samples.sort(key=lambda smp: smp["rollout_position"])
+    ranks = sorted({smp["data_parallel_rank"] for smp in samples})
+    dp = [{"rank": r, "data_parallel_rank": r,
+           "sample_indices": [smp["sample_index"] for smp in samples if smp["data_parallel_rank"] == r],
+           "partition": [smp["rollout_position"] for smp in samples if smp["data_parallel_rank"] == r],
+           "global_batch_sizes": [len(samples)], "num_microbatches": [1], "micro_batch_indices": [[0]]}
+          for r in ranks]
+    return {"format_version": 2, "rollout_id": rid, "rank": 0, "samples": samples, "dp_shards": dp,
+            "raw_reward": raw_reward}
 
 
 def write_slime_dump(root: Path, rid: int, rng, legacy: bool = False, n_groups: int = 2, group_size: int = 2):
@@ -203,7 +236,8 @@ def write_slime_dump(root: Path, rid: int, rng, legacy: bool = False, n_groups: 
 
     The three ways to name a sample all differ, so that a wrong join shows: ``Sample.index`` counts on over the run
     (100 (rid + 1) + k for the k-th generated sample), the rollout dump lists the samples rotated by one
-    (``rollout_position`` p holds generated sample p - 1), and the train dump lists them by data-parallel rank.
+    (``rollout_position`` p holds generated sample p - 1), and the train dump lists them by rollout position, as
+    slime sorts them (format_version 2), or by data-parallel rank (legacy).
     Returns the rollout samples in rollout order and the train samples in generation order."""
     samples, train = [], []
     for g in range(n_groups):
@@ -239,14 +273,7 @@ def write_slime_dump(root: Path, rid: int, rng, legacy: bool = False, n_groups: 
         torch.save({"rollout_id": rid, "rank": 0, "rollout_data": cols}, root / "train_data" / f"{rid}_0.pt")
     else:
         shards = [dict(t, data_parallel_rank=t["rollout_position"] % 2) for t in train]
-        order = sorted(shards, key=lambda s: (s["data_parallel_rank"], s["rollout_position"]))
-        dp = [{"rank": r, "data_parallel_rank": r,
-               "sample_indices": [s["sample_index"] for s in order if s["data_parallel_rank"] == r],
-               "rollout_positions": [s["rollout_position"] for s in order if s["data_parallel_rank"] == r],
-               "micro_batch_indices": [[0, 1]], "num_microbatches": [1], "global_batch_sizes": [len(train)]}
-              for r in (0, 1)]
-        torch.save({"format_version": 2, "rollout_id": rid, "rank": 0, "samples": order, "dp_shards": dp,
-                    "raw_reward": [s["reward"] for s in samples]}, root / "train_data" / f"{rid}.pt")
+        torch.save(slime_v2_payload(rid, shards, [s["reward"] for s in samples]), root / "train_data" / f"{rid}.pt")
     return samples, train
 
 

@@ -14,7 +14,7 @@ import torch
 from lab.diagnose import RolloutLog, diagnose
 from lab.diagnose.adapters import convert, detect
 from lab.diagnose.cli import main
-from test_diagnose_adapters import _tables, hide_skyrl, skyrl_module, slime_sample_to_dict
+from test_diagnose_adapters import _tables, hide_skyrl, skyrl_module, slime_sample_to_dict, slime_v2_payload
 
 
 # ------------------------------------------------------------------------------------------------ slime
@@ -37,10 +37,10 @@ def slime_rollout(rng, rid: int, version: int, n: int = 4, group_size: int = 2):
 
 
 def save_v2(folder, name, rid, train):
-    """observability/train_data_utils.py: one file per rollout from the DP source rank, samples in rollout order."""
+    """observability/train_data_utils.py: one file per rollout from the DP source rank, samples in rollout order
+    (slime_v2_payload: _build_dump_payload's layout at 624b824a8)."""
     samples = [dict(t, data_parallel_rank=0, rollout_position=i) for i, t in enumerate(train)]
-    torch.save({"format_version": 2, "rollout_id": rid, "rank": 0, "samples": samples, "dp_shards": []},
-               folder / name)
+    torch.save(slime_v2_payload(rid, samples, [t["rewards"] for t in train]), folder / name)
 
 
 @pytest.mark.parametrize("script,resume,interval", [("train.py", None, 1), ("train.py", 5, 1),
