@@ -36,28 +36,50 @@ def _f32(x) -> list:
 
 
 # ------------------------------------------------------------------------------------------------ prime-rl
-def prime_record(rng, step, rank, micro_step, idx, export_idx, prompt, completion, hole=None, run_id=None):
+def prime_record(rng, step, rank, micro_step, idx, export_idx, prompt, completion, hole=None, run_id=None,
+                 release="2026-06"):
     """One line of prime-rl's trainer token export (schema_version 1): aligned per-token lists over the packed
-    prompt + completion, float32 values as JSON numbers, non-finite as null."""
+    prompt + completion, float32 values as JSON numbers, non-finite as null.
+
+    ``release`` "2026-06": the fields of 941019f2e .. 0be5ac452 (``export_step``, ``run_id``, per-token
+    ``rewards``) plus the per-token ``losses`` records of prime-rl's trace-advantage branches (004274ec9, never
+    on main). "2026-08": rl/token_export.py at 559b44772, its keys in its order: no export_step, run_id, rewards
+    (289562d2e, 0be5ac452), the weight streams ``rl_weights`` / ``ce_weights`` / ``ref_kl_weights`` as lists of
+    null when absent (the defaults), the trainer's log-probs on prompt and tool tokens too (its forward scores
+    every token; the sampler's are 0 there)."""
     n = prompt + completion
     mask = np.r_[np.zeros(prompt, bool), np.ones(completion, bool)]
     if hole is not None:
         mask[prompt + hole] = False  # e.g. a tool output inside the completion
     inf = np.where(mask, -rng.exponential(1.0, n), 0.0).astype(np.float32)
-    tr = np.where(mask, inf + rng.normal(0, 0.03, n), 0.0).astype(np.float32)
+    tr = np.where(mask, inf + rng.normal(0, 0.03, n), 0.0 if release == "2026-06" else -rng.exponential(2.0, n))
+    tr = (tr if release == "2026-06" else np.minimum(tr, 0)).astype(np.float32)
     adv = np.float32(rng.normal())
     reward = float(rng.integers(0, 2))
     lr = (tr - inf).astype(np.float32)
     ratio = np.exp(lr)
+    pd_ = np.exp(tr) - np.exp(inf)
+    head = {"schema_version": 1, "step": step, "rank": rank, "micro_step": micro_step, "micro_sequence_idx": idx,
+            "export_sequence_idx": export_idx, "env_name": "gsm8k"}
+    tokens = {"token_ids": rng.integers(0, 151_000, n).tolist(), "position_ids": list(range(n)),
+              "loss_mask": mask.tolist()}
+    if release == "2026-08":
+        adv_all = np.full(n, adv)  # the orchestrator broadcasts the rollout's advantage over the sample
+        masked = mask & np.where(adv_all > 0, pd_ > 0.2, pd_ < -0.2)  # DefaultLossConfig dppo_mask_high/low 0.2
+        return {**head, **tokens, "advantages": _f32(adv_all), "inference_logprobs": _f32(inf),
+                "trainer_logprobs": _f32(tr), "entropy": _f32(rng.gamma(2.0, 0.3, n)),
+                "mismatch_kl": _f32(ratio - lr - 1), "log_importance_ratio": _f32(lr), "importance_ratio": _f32(ratio),
+                "prob_delta": _f32(pd_), "is_masked": masked.tolist(), "is_masked_high": (masked & (adv > 0)).tolist(),
+                "is_masked_low": (masked & (adv < 0)).tolist(), "rl_weights": [None] * n, "ce_weights": [None] * n,
+                "ref_kl_weights": [None] * n}
     return {"schema_version": 1, "step": step, "export_step": step, "rank": rank, "micro_step": micro_step,
             "micro_sequence_idx": idx, "export_sequence_idx": export_idx, "run_id": run_id, "env_name": "gsm8k",
-            "token_ids": rng.integers(0, 151_000, n).tolist(), "position_ids": list(range(n)),
-            "loss_mask": mask.tolist(), "advantages": _f32(np.where(mask, adv, 0.0)),
+            **tokens, "advantages": _f32(np.where(mask, adv, 0.0)),
             "losses": [{"rl": {"advantage": float(adv) if m else 0.0, "mask": bool(m)}} for m in mask],
             "rewards": _f32(np.full(n, reward)), "inference_logprobs": _f32(inf), "trainer_logprobs": _f32(tr),
             "entropy": _f32(rng.gamma(2.0, 0.3, n)), "mismatch_kl": _f32(ratio - lr - 1),
             "log_importance_ratio": _f32(lr), "importance_ratio": _f32(ratio),
-            "prob_delta": _f32(np.exp(tr) - np.exp(inf)), "is_masked": [False] * n, "is_masked_high": [False] * n,
+            "prob_delta": _f32(pd_), "is_masked": [False] * n, "is_masked_high": [False] * n,
             "is_masked_low": [False] * n}
 
 
@@ -72,21 +94,27 @@ def write_prime_export(output_dir: Path, records: dict) -> None:
         (d / "STABLE").touch()
 
 
-@pytest.fixture
-def prime_dump(tmp_path):
+def _prime_dump(tmp_path, release="2026-06"):
     rng = np.random.default_rng(0)
     records = {}
     for step in (1, 2):
         for rank in (0, 1):
             records[(step, rank)] = [prime_record(rng, step, rank, 0, i, i, int(rng.integers(3, 7)),
-                                                  int(rng.integers(4, 12)), hole=2 if i == 1 else None)
+                                                  int(rng.integers(4, 12)), hole=2 if i == 1 else None,
+                                                  release=release)
                                      for i in range(3)]
     write_prime_export(tmp_path / "outputs", records)
     return tmp_path / "outputs", records
 
 
-def test_prime_rl_export_value_by_value(prime_dump, tmp_path):
-    root, records = prime_dump
+@pytest.fixture
+def prime_dump(tmp_path):
+    return _prime_dump(tmp_path)
+
+
+@pytest.mark.parametrize("release", ["2026-06", "2026-08"])
+def test_prime_rl_export_value_by_value(tmp_path, release):
+    root, records = _prime_dump(tmp_path, release)
     log = RolloutLog(convert("prime-rl", root, tmp_path / "neutral"))
     assert log.meta["source"] == "prime-rl" and log.logp_columns == ["sampler_logp", "old_logp"]
     tok, seq = _tables(tmp_path / "neutral")
@@ -100,7 +128,8 @@ def test_prime_rl_export_value_by_value(prime_dump, tmp_path):
                 t_rows.append((step, sid, t - first, rec["token_ids"][t], rec["loss_mask"][t],
                                rec["inference_logprobs"][t], rec["trainer_logprobs"][t], rec["advantages"][t],
                                rec["entropy"][t]))
-            s_rows.append((step, sid, last - first + 1, rec["rewards"][first], rec["advantages"][first],
+            s_rows.append((step, sid, last - first + 1, rec["rewards"][first] if "rewards" in rec else np.nan,
+                           rec["advantages"][first],
                            f"{root / 'token_exports' / f'step_{step}' / f'rank_{rank}.jsonl'}:{line}"))
     want = pd.DataFrame(t_rows, columns=["step", "sample_id", "position", "token_id", "loss_mask", "sampler_logp",
                                          "old_logp", "advantage", "entropy"])
