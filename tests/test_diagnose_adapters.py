@@ -296,9 +296,16 @@ def write_slime_dump(root: Path, rid: int, rng, legacy: bool = False, n_groups: 
     (root / "rollout_data").mkdir(parents=True, exist_ok=True)
     (root / "train_data").mkdir(parents=True, exist_ok=True)
     torch.save({"rollout_id": rid, "samples": samples}, root / "rollout_data" / f"{rid}.pt")
-    if legacy:
+    if legacy:  # utils/train_dump_utils.py at d38dc29c9: the rank's rollout_data as process_rollout_data left it
+        n = len(train)
         cols = {k: [t[k] for t in train] for k in train[0] if k not in ("sample_index", "rollout_position")}
         cols["sample_indices"] = [t["sample_index"] for t in train]
+        by_index = {s["index"]: s for s in samples}
+        cols.update(rollout_ids=list(range(n)), source_names=["unknown"] * n,
+                    rollout_mask_sums=torch.tensor([float(t["loss_masks"].sum()) for t in train]),
+                    raw_reward=[s["reward"] for s in samples],  # the whole rollout's, shipped to every rank
+                    local_raw_reward=[by_index[t["sample_index"]]["reward"] for t in train],
+                    global_batch_sizes=[n], num_microbatches=[n], micro_batch_indices=[[i] for i in range(n)])
         torch.save({"rollout_id": rid, "rank": 0, "rollout_data": cols}, root / "train_data" / f"{rid}_0.pt")
     else:
         shards = [dict(t, data_parallel_rank=t["rollout_position"] % 2) for t in train]
