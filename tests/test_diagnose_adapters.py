@@ -36,28 +36,50 @@ def _f32(x) -> list:
 
 
 # ------------------------------------------------------------------------------------------------ prime-rl
-def prime_record(rng, step, rank, micro_step, idx, export_idx, prompt, completion, hole=None, run_id=None):
+def prime_record(rng, step, rank, micro_step, idx, export_idx, prompt, completion, hole=None, run_id=None,
+                 release="2026-06"):
     """One line of prime-rl's trainer token export (schema_version 1): aligned per-token lists over the packed
-    prompt + completion, float32 values as JSON numbers, non-finite as null."""
+    prompt + completion, float32 values as JSON numbers, non-finite as null.
+
+    ``release`` "2026-06": the fields of 941019f2e .. 0be5ac452 (``export_step``, ``run_id``, per-token
+    ``rewards``) plus the per-token ``losses`` records of prime-rl's trace-advantage branches (004274ec9, never
+    on main). "2026-08": rl/token_export.py at 559b44772, its keys in its order: no export_step, run_id, rewards
+    (289562d2e, 0be5ac452), the weight streams ``rl_weights`` / ``ce_weights`` / ``ref_kl_weights`` as lists of
+    null when absent (the defaults), the trainer's log-probs on prompt and tool tokens too (its forward scores
+    every token; the sampler's are 0 there)."""
     n = prompt + completion
     mask = np.r_[np.zeros(prompt, bool), np.ones(completion, bool)]
     if hole is not None:
         mask[prompt + hole] = False  # e.g. a tool output inside the completion
     inf = np.where(mask, -rng.exponential(1.0, n), 0.0).astype(np.float32)
-    tr = np.where(mask, inf + rng.normal(0, 0.03, n), 0.0).astype(np.float32)
+    tr = np.where(mask, inf + rng.normal(0, 0.03, n), 0.0 if release == "2026-06" else -rng.exponential(2.0, n))
+    tr = (tr if release == "2026-06" else np.minimum(tr, 0)).astype(np.float32)
     adv = np.float32(rng.normal())
     reward = float(rng.integers(0, 2))
     lr = (tr - inf).astype(np.float32)
     ratio = np.exp(lr)
+    pd_ = np.exp(tr) - np.exp(inf)
+    head = {"schema_version": 1, "step": step, "rank": rank, "micro_step": micro_step, "micro_sequence_idx": idx,
+            "export_sequence_idx": export_idx, "env_name": "gsm8k"}
+    tokens = {"token_ids": rng.integers(0, 151_000, n).tolist(), "position_ids": list(range(n)),
+              "loss_mask": mask.tolist()}
+    if release == "2026-08":
+        adv_all = np.full(n, adv)  # the orchestrator broadcasts the rollout's advantage over the sample
+        masked = mask & np.where(adv_all > 0, pd_ > 0.2, pd_ < -0.2)  # DefaultLossConfig dppo_mask_high/low 0.2
+        return {**head, **tokens, "advantages": _f32(adv_all), "inference_logprobs": _f32(inf),
+                "trainer_logprobs": _f32(tr), "entropy": _f32(rng.gamma(2.0, 0.3, n)),
+                "mismatch_kl": _f32(ratio - lr - 1), "log_importance_ratio": _f32(lr), "importance_ratio": _f32(ratio),
+                "prob_delta": _f32(pd_), "is_masked": masked.tolist(), "is_masked_high": (masked & (adv > 0)).tolist(),
+                "is_masked_low": (masked & (adv < 0)).tolist(), "rl_weights": [None] * n, "ce_weights": [None] * n,
+                "ref_kl_weights": [None] * n}
     return {"schema_version": 1, "step": step, "export_step": step, "rank": rank, "micro_step": micro_step,
             "micro_sequence_idx": idx, "export_sequence_idx": export_idx, "run_id": run_id, "env_name": "gsm8k",
-            "token_ids": rng.integers(0, 151_000, n).tolist(), "position_ids": list(range(n)),
-            "loss_mask": mask.tolist(), "advantages": _f32(np.where(mask, adv, 0.0)),
+            **tokens, "advantages": _f32(np.where(mask, adv, 0.0)),
             "losses": [{"rl": {"advantage": float(adv) if m else 0.0, "mask": bool(m)}} for m in mask],
             "rewards": _f32(np.full(n, reward)), "inference_logprobs": _f32(inf), "trainer_logprobs": _f32(tr),
             "entropy": _f32(rng.gamma(2.0, 0.3, n)), "mismatch_kl": _f32(ratio - lr - 1),
             "log_importance_ratio": _f32(lr), "importance_ratio": _f32(ratio),
-            "prob_delta": _f32(np.exp(tr) - np.exp(inf)), "is_masked": [False] * n, "is_masked_high": [False] * n,
+            "prob_delta": _f32(pd_), "is_masked": [False] * n, "is_masked_high": [False] * n,
             "is_masked_low": [False] * n}
 
 
@@ -72,21 +94,27 @@ def write_prime_export(output_dir: Path, records: dict) -> None:
         (d / "STABLE").touch()
 
 
-@pytest.fixture
-def prime_dump(tmp_path):
+def _prime_dump(tmp_path, release="2026-06"):
     rng = np.random.default_rng(0)
     records = {}
     for step in (1, 2):
         for rank in (0, 1):
             records[(step, rank)] = [prime_record(rng, step, rank, 0, i, i, int(rng.integers(3, 7)),
-                                                  int(rng.integers(4, 12)), hole=2 if i == 1 else None)
+                                                  int(rng.integers(4, 12)), hole=2 if i == 1 else None,
+                                                  release=release)
                                      for i in range(3)]
     write_prime_export(tmp_path / "outputs", records)
     return tmp_path / "outputs", records
 
 
-def test_prime_rl_export_value_by_value(prime_dump, tmp_path):
-    root, records = prime_dump
+@pytest.fixture
+def prime_dump(tmp_path):
+    return _prime_dump(tmp_path)
+
+
+@pytest.mark.parametrize("release", ["2026-06", "2026-08"])
+def test_prime_rl_export_value_by_value(tmp_path, release):
+    root, records = _prime_dump(tmp_path, release)
     log = RolloutLog(convert("prime-rl", root, tmp_path / "neutral"))
     assert log.meta["source"] == "prime-rl" and log.logp_columns == ["sampler_logp", "old_logp"]
     tok, seq = _tables(tmp_path / "neutral")
@@ -100,7 +128,8 @@ def test_prime_rl_export_value_by_value(prime_dump, tmp_path):
                 t_rows.append((step, sid, t - first, rec["token_ids"][t], rec["loss_mask"][t],
                                rec["inference_logprobs"][t], rec["trainer_logprobs"][t], rec["advantages"][t],
                                rec["entropy"][t]))
-            s_rows.append((step, sid, last - first + 1, rec["rewards"][first], rec["advantages"][first],
+            s_rows.append((step, sid, last - first + 1, rec["rewards"][first] if "rewards" in rec else np.nan,
+                           rec["advantages"][first],
                            f"{root / 'token_exports' / f'step_{step}' / f'rank_{rank}.jsonl'}:{line}"))
     want = pd.DataFrame(t_rows, columns=["step", "sample_id", "position", "token_id", "loss_mask", "sampler_logp",
                                          "old_logp", "advantage", "entropy"])
@@ -184,17 +213,50 @@ def test_prime_rl_malformed_values_are_one_line(prime_dump, tmp_path, capsys, ed
 # ------------------------------------------------------------------------------------------------ slime
 def slime_sample_to_dict(group_index, index, tokens, response_length, reward, loss_mask, weight_versions,
                          rollout_log_probs) -> dict:
-    """Sample.to_dict(): the dataclass's __dict__ with status, spec_info and prefix_cache_info made plain."""
-    return {"group_index": group_index, "index": index, "prompt": "Solve: 2 + 2 = ?", "tokens": tokens,
-            "multimodal_inputs": None, "multimodal_train_inputs": None, "response": "4",
-            "response_length": response_length,
-            "label": "4", "reward": reward, "loss_mask": loss_mask, "weight_versions": weight_versions,
-            "rollout_log_probs": rollout_log_probs, "rollout_routed_experts": None, "remove_sample": False,
-            "teacher_log_probs": None, "mopd_teacher_log_probs": None, "status": "completed", "metadata": {},
-            "generate_function_path": None, "train_metadata": None, "session_id": None, "non_generation_time": 0.0,
+    """Sample.to_dict(): the dataclass's __dict__ with status, spec_info and prefix_cache_info made plain (the fields
+    and their order of slime/utils/types.py at 624b824a8)."""
+    return {"group_index": group_index, "index": index, "rollout_id": None, "prompt": "Solve: 2 + 2 = ?",
+            "tokens": tokens, "multimodal_inputs": None, "multimodal_train_inputs": None,
+            "multimodal_train_input_id": None, "apply_chat_template_kwargs": {}, "response": "4",
+            "response_length": response_length, "label": "4", "reward": reward, "loss_mask": loss_mask,
+            "weight_versions": weight_versions, "rollout_log_probs": rollout_log_probs,
+            "rollout_top_p_token_ids": None, "rollout_top_p_token_offsets": None, "rollout_routed_experts": None,
+            "remove_sample": False, "teacher_log_probs": None, "status": "completed", "metadata": {},
+            "generate_function_path": None, "custom_rm_path": None, "train_metadata": None, "session_id": None,
+            "non_generation_time": 0.0,
             "spec_info": {"spec_accept_token_num": 0, "spec_draft_token_num": 0, "spec_verify_ct": 0,
                           "completion_token_num": 0},
             "prefix_cache_info": {"cached_tokens": 0, "total_prompt_tokens": len(tokens) - response_length}}
+
+
+def slime_v2_payload(rid: int, train: list[dict], raw_reward: list) -> dict:
+    """observability/train_data_utils.py _build_dump_payload (slime 624b824a8) for train samples that carry
+    ``data_parallel_rank``, ``sample_index`` and ``rollout_position`` (the rollout dump index, slime's
+    ``partition``): the per-sample columns of RolloutManager._convert_samples_to_train_data / process_rollout_data
+    (``rollout_ids`` = the sample's position when Sample.rollout_id is unset, ``rollout_mask_sums`` a 0-d float32
+    tensor, ``source_names`` "unknown" when the metadata names none, ``local_raw_reward`` the rank's slice of
+    ``raw_reward``), the samples sorted by rollout_position, one ``dp_shards`` entry per rank and ``raw_reward``, the
+    whole rollout's, at the top."""
+    samples = []
+    for t in train:
+        pos = t["rollout_position"]
+        smp = {"data_parallel_rank": t["data_parallel_rank"], "sample_index": t["sample_index"],
+               "rollout_position": pos, "truncated": 0, "rollout_ids": pos,
+               "rollout_mask_sums": torch.as_tensor(t["loss_masks"]).sum().to(torch.float32),
+               "source_names": "unknown", "local_raw_reward": raw_reward[pos]}
+        smp.update((k, v) for k, v in t.items() if k not in smp or k in ("local_raw_reward", "truncated"))
+        if "advantages" in smp:
+            smp.setdefault("returns", smp["advantages"].clone())
+        samples.append(smp)
+    samples.sort(key=lambda smp: smp["rollout_position"])
+    ranks = sorted({smp["data_parallel_rank"] for smp in samples})
+    dp = [{"rank": r, "data_parallel_rank": r,
+           "sample_indices": [smp["sample_index"] for smp in samples if smp["data_parallel_rank"] == r],
+           "partition": [smp["rollout_position"] for smp in samples if smp["data_parallel_rank"] == r],
+           "global_batch_sizes": [len(samples)], "num_microbatches": [1], "micro_batch_indices": [[0]]}
+          for r in ranks]
+    return {"format_version": 2, "rollout_id": rid, "rank": 0, "samples": samples, "dp_shards": dp,
+            "raw_reward": raw_reward}
 
 
 def write_slime_dump(root: Path, rid: int, rng, legacy: bool = False, n_groups: int = 2, group_size: int = 2):
@@ -203,7 +265,8 @@ def write_slime_dump(root: Path, rid: int, rng, legacy: bool = False, n_groups: 
 
     The three ways to name a sample all differ, so that a wrong join shows: ``Sample.index`` counts on over the run
     (100 (rid + 1) + k for the k-th generated sample), the rollout dump lists the samples rotated by one
-    (``rollout_position`` p holds generated sample p - 1), and the train dump lists them by data-parallel rank.
+    (``rollout_position`` p holds generated sample p - 1), and the train dump lists them by rollout position, as
+    slime sorts them (format_version 2), or by data-parallel rank (legacy).
     Returns the rollout samples in rollout order and the train samples in generation order."""
     samples, train = [], []
     for g in range(n_groups):
@@ -233,20 +296,20 @@ def write_slime_dump(root: Path, rid: int, rng, legacy: bool = False, n_groups: 
     (root / "rollout_data").mkdir(parents=True, exist_ok=True)
     (root / "train_data").mkdir(parents=True, exist_ok=True)
     torch.save({"rollout_id": rid, "samples": samples}, root / "rollout_data" / f"{rid}.pt")
-    if legacy:
+    if legacy:  # utils/train_dump_utils.py at d38dc29c9: the rank's rollout_data as process_rollout_data left it
+        n = len(train)
         cols = {k: [t[k] for t in train] for k in train[0] if k not in ("sample_index", "rollout_position")}
         cols["sample_indices"] = [t["sample_index"] for t in train]
+        by_index = {s["index"]: s for s in samples}
+        cols.update(rollout_ids=list(range(n)), source_names=["unknown"] * n,
+                    rollout_mask_sums=torch.tensor([float(t["loss_masks"].sum()) for t in train]),
+                    raw_reward=[s["reward"] for s in samples],  # the whole rollout's, shipped to every rank
+                    local_raw_reward=[by_index[t["sample_index"]]["reward"] for t in train],
+                    global_batch_sizes=[n], num_microbatches=[n], micro_batch_indices=[[i] for i in range(n)])
         torch.save({"rollout_id": rid, "rank": 0, "rollout_data": cols}, root / "train_data" / f"{rid}_0.pt")
     else:
         shards = [dict(t, data_parallel_rank=t["rollout_position"] % 2) for t in train]
-        order = sorted(shards, key=lambda s: (s["data_parallel_rank"], s["rollout_position"]))
-        dp = [{"rank": r, "data_parallel_rank": r,
-               "sample_indices": [s["sample_index"] for s in order if s["data_parallel_rank"] == r],
-               "rollout_positions": [s["rollout_position"] for s in order if s["data_parallel_rank"] == r],
-               "micro_batch_indices": [[0, 1]], "num_microbatches": [1], "global_batch_sizes": [len(train)]}
-              for r in (0, 1)]
-        torch.save({"format_version": 2, "rollout_id": rid, "rank": 0, "samples": order, "dp_shards": dp,
-                    "raw_reward": [s["reward"] for s in samples]}, root / "train_data" / f"{rid}.pt")
+        torch.save(slime_v2_payload(rid, shards, [s["reward"] for s in samples]), root / "train_data" / f"{rid}.pt")
     return samples, train
 
 

@@ -14,7 +14,7 @@ import torch
 from lab.diagnose import RolloutLog, diagnose
 from lab.diagnose.adapters import convert, detect
 from lab.diagnose.cli import main
-from test_diagnose_adapters import _tables, hide_skyrl, skyrl_module, slime_sample_to_dict
+from test_diagnose_adapters import _tables, hide_skyrl, skyrl_module, slime_sample_to_dict, slime_v2_payload
 
 
 # ------------------------------------------------------------------------------------------------ slime
@@ -37,10 +37,10 @@ def slime_rollout(rng, rid: int, version: int, n: int = 4, group_size: int = 2):
 
 
 def save_v2(folder, name, rid, train):
-    """observability/train_data_utils.py: one file per rollout from the DP source rank, samples in rollout order."""
+    """observability/train_data_utils.py: one file per rollout from the DP source rank, samples in rollout order
+    (slime_v2_payload: _build_dump_payload's layout at 624b824a8)."""
     samples = [dict(t, data_parallel_rank=0, rollout_position=i) for i, t in enumerate(train)]
-    torch.save({"format_version": 2, "rollout_id": rid, "rank": 0, "samples": samples, "dp_shards": []},
-               folder / name)
+    torch.save(slime_v2_payload(rid, samples, [t["rewards"] for t in train]), folder / name)
 
 
 @pytest.mark.parametrize("script,resume,interval", [("train.py", None, 1), ("train.py", 5, 1),
@@ -337,12 +337,17 @@ def test_prime_rl_distillation_tokens_leave_the_loss_mask(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------------ NeMo-RL
-def nemo_rl_log(folder, step, rng, B=6, G=2, force_on_policy=False, token_ids=True, fields=None):
+def nemo_rl_log(folder, step, rng, B=6, G=2, force_on_policy=False, token_ids=True, fields=None,
+                dynamic_sampling=False):
     """grpo.py's training-data log (f11f99c79 and later; grpo_sync.py without token_ids when it did not stash
     them): B samples, G generations per prompt (repeat_interleave), right-padded to the batch's longest;
     Logger.log_batched_dict_as_jsonl writes json.dumps({**batch.slice(i, i + 1), "idx": i}, default=str), so each
     value is the batch's, sliced to a one-element list. force_on_policy: prev_logprobs = zeros_like(generation_
-    logprobs) (e7266a92f). ``fields``: only those keys (earlier releases)."""
+    logprobs) (e7266a92f). ``fields``: only those keys (earlier releases). ``content`` is the flattened message log's
+    text per message (llm_message_utils.message_log_to_flat_messages, NeMo-RL 7ea279abf). ``dynamic_sampling``
+    (grpo.use_dynamic_sampling): ``filtered_rewards`` holds each sample's reward and ``rewards`` the first B rewards of
+    the unfiltered batch (grpo.py dynamic_sampling sets the kept rows' total_reward to the pre-filter tensor and
+    slices it to the train size, 7ea279abf)."""
     prompts = [rng.integers(0, 999, int(rng.integers(2, 6))) for _ in range(B // G)]
     prompts[-1] = prompts[0].copy()  # the same prompt drawn twice: NeMo-RL's baseline pools them
     lens, rows = [], []
@@ -361,12 +366,14 @@ def nemo_rl_log(folder, step, rng, B=6, G=2, force_on_policy=False, token_ids=Tr
     prev = np.where(tok_mask > 0, gen + rng.normal(0, 0.05, (B, S)), 0.0).astype(np.float32)
     sample_mask = np.ones(B, np.float32)
     sample_mask[2] = 0.0  # loss_multiplier: truncated
-    content = [[{"role": "user", "content": f"prompt {i // G}"}, {"role": "assistant", "content": "[" * 100 * (i == 0)}]
-               for i in range(B)]  # a degenerate response: brackets in a string are not nesting
+    content = [[f"prompt {i // G}", "[" * 100 * (i == 0)] for i in range(B)]  # brackets in a string are not nesting
     data = {"content": content, "rewards": rng.random(B).tolist(),
             "input_lengths": lens, "token_ids": ids.tolist(), "token_loss_mask": tok_mask.tolist(),
             "sample_loss_mask": sample_mask.tolist(), "advantages": np.repeat(rng.normal(size=(B, 1)), S, 1).tolist(),
             "generation_logprobs": gen.tolist(), "prev_logprobs": (0 * prev if force_on_policy else prev).tolist()}
+    if dynamic_sampling:  # the kept samples' own rewards; `rewards` the unfiltered batch's first B
+        data = {"content": content, "rewards": rng.random(B).tolist(), "filtered_rewards": data["rewards"],
+                **{k: v for k, v in data.items() if k not in ("content", "rewards")}}
     if not token_ids:
         del data["token_ids"]
     if fields:
@@ -382,7 +389,7 @@ def _nemo_rl_check(tok, seq, made, run=""):
     for s, (data, groups, plen) in made.items():
         sel = seq[(seq["step"] == s) & (seq["run"] == run)].sort_values("sample_id")
         assert sel["group_id"].tolist() == groups if "token_ids" in data else sel["group_id"].isna().all()
-        assert sel["reward"].tolist() == data["rewards"]
+        assert sel["reward"].tolist() == data.get("filtered_rewards", data["rewards"])
         for i, n in enumerate(data["input_lengths"]):
             rows = tok[(tok["step"] == s) & (tok["sample_id"] == i) & (tok["run"] == run)]
             a = plen[i]
@@ -412,6 +419,17 @@ def test_nemo_rl_training_data_log(tmp_path, token_ids):
     d = diagnose(RolloutLog(tmp_path / "log"), progress=False)
     assert d.tables["overall"].set_index("pair").loc["mismatch", "mean_abs"] == pytest.approx(
         np.abs(np.concatenate(deltas).astype(np.float64)).mean(), rel=1e-9)
+
+
+def test_nemo_rl_dynamic_sampling_rewards(tmp_path):
+    """grpo.use_dynamic_sampling: the reward of each logged sample is filtered_rewards (the one its advantage used);
+    the rewards field then holds the unfiltered batch's first rewards, rows of other samples."""
+    rng = np.random.default_rng(12)
+    (tmp_path / "logs").mkdir()
+    data, _, _ = nemo_rl_log(tmp_path / "logs", 1, rng, dynamic_sampling=True)
+    assert data["rewards"] != data["filtered_rewards"]
+    _, seq = _tables(RolloutLog(convert("nemo-rl", tmp_path / "logs", tmp_path / "log")).path)
+    assert seq.sort_values("sample_id")["reward"].tolist() == data["filtered_rewards"]
 
 
 def test_nemo_rl_resumed_run_writes_a_second_experiment_folder(tmp_path):

@@ -12,7 +12,10 @@ response, right-padded to the batch's longest; ``grpo_sync.py`` may omit it), ``
 generated assistant tokens), ``sample_loss_mask`` (0 drops the whole sample from the loss: truncated, filtered, or
 over ``seq_logprob_error_threshold``), ``advantages`` [S], ``generation_logprobs`` [S] (the generation engine's, 0
 off generated tokens), ``prev_logprobs`` [S] (the training engine's before the update); optional
-``filtered_rewards``, ``agent_ref``. Log-probs at index t are those of token t (NeMo-RL's loss drops column 0).
+``filtered_rewards`` (``grpo.use_dynamic_sampling``: the sample's own reward, the one its advantage
+used, while ``rewards`` then holds the first rows of the unfiltered batch's rewards, whatever samples the filter
+kept: ``dynamic_sampling`` gives the kept rows the pre-filter ``total_reward`` tensor, sliced to the train size),
+``agent_ref``. Log-probs at index t are those of token t (NeMo-RL's loss drops column 0).
 Earlier logs (and ``distillation.py``'s) hold no token mask and are refused. With
 ``loss_fn.force_on_policy_ratio`` (and no ``seq_logprob_error_threshold``) NeMo-RL skips the trainer's pass and
 logs ``prev_logprobs`` as zeros (since e7266a92f, 2026-05-12): such a file is refused. No policy version.
@@ -23,7 +26,7 @@ token_loss_mask token to input_lengths (padding dropped); run = the log file's f
 when the files lie in more than one folder (one per launch), else ""; step = N; sample_id = idx; group_id = the
 sample's prompt (its tokens before the first token_loss_mask token), numbered in order of appearance within the
 step, as NeMo-RL's baseline groups samples by identical prompt (``calculate_baseline_and_std_per_prompt``);
-reward = rewards; origin = "file:line".
+reward = filtered_rewards when logged, else rewards; origin = "file:line".
 """
 from __future__ import annotations
 
@@ -133,7 +136,7 @@ def _add_record(buf: SequenceBuffer, run: str, step: int, where: str, line: byte
     tokens = None if cols["token_ids"] is None else int_array(cols["token_ids"], where, "token_ids")
     group = None if tokens is None else groups.setdefault(tokens[:first].tobytes(), len(groups))
     adv = None if cols["advantages"] is None else float_array(cols["advantages"], where, "advantages")[sl]
-    reward = _scalar(rec, "rewards", where)
+    reward = _scalar(rec, "filtered_rewards" if "filtered_rewards" in rec else "rewards", where)
     gen = float_array(cols["generation_logprobs"], where, "generation_logprobs")[sl]
     prev = float_array(cols["prev_logprobs"], where, "prev_logprobs")[sl]
     m = token_mask[sl]
