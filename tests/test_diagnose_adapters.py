@@ -519,6 +519,15 @@ def skyrl_module(monkeypatch, new: bool):
     return TrainingInputBatch
 
 
+def save_skyrl(folder: Path, batch, step: int) -> Path:
+    """``folder``/dumped_data/global_step_{step}_training_input.pkl, pickled as TensorBatch.save does; the folder."""
+    d = folder / "dumped_data"
+    d.mkdir(exist_ok=True)
+    with open(d / f"global_step_{step}_training_input.pkl", "wb") as f:
+        pickle.dump(batch, f)
+    return d
+
+
 def hide_skyrl(monkeypatch) -> None:
     """Undo the stand-in and hide any SkyRL module another test imported (restored at teardown): the lab reads
     SkyRL's dumps without SkyRL."""
@@ -603,10 +612,7 @@ def test_skyrl_unpickling_runs_no_code(tmp_path, monkeypatch, capsys):
             return (Path.touch, (marker,))
 
     batch.metadata["note"] = Payload()
-    d = tmp_path / "dumped_data"
-    d.mkdir()
-    with open(d / "global_step_1_training_input.pkl", "wb") as f:
-        pickle.dump(batch, f)
+    d = save_skyrl(tmp_path, batch, 1)
     monkeypatch.undo()
     assert main(["--from", "skyrl", str(d), "--out", str(tmp_path / "run")]) == 2
     err = capsys.readouterr().err
@@ -620,10 +626,7 @@ def test_skyrl_metadata_that_is_not_a_dict_is_read_as_absent(tmp_path, monkeypat
     cls = skyrl_module(monkeypatch, True)
     batch = skyrl_batch(cls, np.random.default_rng(5))
     batch.metadata = metadata
-    d = tmp_path / "dumped_data"
-    d.mkdir()
-    with open(d / "global_step_3_training_input.pkl", "wb") as f:
-        pickle.dump(batch, f)
+    d = save_skyrl(tmp_path, batch, 3)
     with open(tmp_path / "global_step_3_training_input.pkl", "wb") as f:  # the same batch with its metadata
         batch.metadata = skyrl_batch(cls, np.random.default_rng(5)).metadata
         pickle.dump(batch, f)
@@ -643,10 +646,7 @@ def test_skyrl_log_probs_that_are_not_real_numbers_are_one_line(tmp_path, monkey
     cls = skyrl_module(monkeypatch, True)
     batch = skyrl_batch(cls, np.random.default_rng(5))
     batch["rollout_logprobs"] = batch["rollout_logprobs"].to(dtype)
-    d = tmp_path / "dumped_data"
-    d.mkdir()
-    with open(d / "global_step_3_training_input.pkl", "wb") as f:
-        pickle.dump(batch, f)
+    d = save_skyrl(tmp_path, batch, 3)
     monkeypatch.undo()
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -660,10 +660,7 @@ def test_skyrl_shapes_must_match(tmp_path, monkeypatch):
     cls = skyrl_module(monkeypatch, True)
     batch = skyrl_batch(cls, np.random.default_rng(5))
     batch["rollout_logprobs"] = batch["rollout_logprobs"][:, :-1]
-    d = tmp_path / "dumped_data"
-    d.mkdir()
-    with open(d / "global_step_3_training_input.pkl", "wb") as f:
-        pickle.dump(batch, f)
+    d = save_skyrl(tmp_path, batch, 3)
     monkeypatch.undo()
     with pytest.raises(LabError, match=r"global_step_3_training_input.pkl: 'rollout_logprobs' has shape \(5, 5\) but "
                                        r"'loss_mask' has \(5, 6\)"):
@@ -674,10 +671,7 @@ def test_an_error_quoting_a_multi_line_value_is_one_line(tmp_path, monkeypatch, 
     cls = skyrl_module(monkeypatch, True)
     batch = skyrl_batch(cls, np.random.default_rng(5))
     batch.metadata["policy_prompt_boundaries"] = [torch.zeros(3, 2)]  # its repr spans three lines
-    d = tmp_path / "dumped_data"
-    d.mkdir()
-    with open(d / "global_step_3_training_input.pkl", "wb") as f:
-        pickle.dump(batch, f)
+    d = save_skyrl(tmp_path, batch, 3)
     monkeypatch.undo()
     assert main(["--from", "skyrl", str(d), "--out", str(tmp_path / "run")]) == 2
     err = capsys.readouterr().err
@@ -696,10 +690,7 @@ def test_skyrl_malformed_prompt_boundaries(tmp_path, monkeypatch, capsys, bounds
     cls = skyrl_module(monkeypatch, True)
     batch = skyrl_batch(cls, np.random.default_rng(8))
     batch.metadata["policy_prompt_boundaries"] = bounds
-    d = tmp_path / "dumped_data"
-    d.mkdir()
-    with open(d / "global_step_2_training_input.pkl", "wb") as f:
-        pickle.dump(batch, f)
+    d = save_skyrl(tmp_path, batch, 2)
     monkeypatch.undo()
     assert main(["--from", "skyrl", str(d), "--out", str(tmp_path / "run")]) == 2
     err = capsys.readouterr().err.strip()

@@ -106,15 +106,20 @@ def test_slime_dump_beginning_mid_run_with_partial_rollouts(tmp_path):
     assert any("mid-run" in n for n in log.meta["notes"])
 
 
-def test_slime_per_rank_dumps_of_a_tp_pp_dp_run(tmp_path):
-    """Before 2026-08 every rank wrote train_data/{rid}_{rank}.pt: TP ranks identical files, first pipeline stage
-    without log_probs; DP shards disjoint. The log holds each sample once, with the last stage's log-probs."""
-    rng = np.random.default_rng(1)
+def per_rank_dump(tmp_path, rng, n: int):
+    """A --dump-details folder with rollout 0's rollout dump written; its per-rank train files are the caller's."""
     dump = tmp_path / "dump"
     (dump / "train_data").mkdir(parents=True)
     (dump / "rollout_data").mkdir()
-    samples, train = slime_rollout(rng, 0, 1, n=6)
+    samples, train = slime_rollout(rng, 0, 1, n=n)
     torch.save({"rollout_id": 0, "samples": samples}, dump / "rollout_data" / "0.pt")
+    return dump, samples, train
+
+
+def test_slime_per_rank_dumps_of_a_tp_pp_dp_run(tmp_path):
+    """Before 2026-08 every rank wrote train_data/{rid}_{rank}.pt: TP ranks identical files, first pipeline stage
+    without log_probs; DP shards disjoint. The log holds each sample once, with the last stage's log-probs."""
+    dump, samples, train = per_rank_dump(tmp_path, np.random.default_rng(1), n=6)
     tp, pp, dp = 2, 2, 2
     for rank in range(tp * pp * dp):  # Megatron's rank order: tp fastest, then dp, then pp
         d_rank, p_rank = (rank // tp) % dp, rank // (tp * dp)  # the tensor-parallel rank does not change the file
@@ -142,12 +147,7 @@ def test_slime_per_rank_dumps_of_a_tp_pp_dp_run(tmp_path):
 def test_slime_fsdp_backend_dumps_hold_no_trainer_log_probs(tmp_path, capsys):
     """fsdp_utils/actor.py (fd6ebde2a .. e4faf6330): train_dump_utils.save_debug_train_data(rollout_data) per rank,
     one file per data-parallel rank, while _compute_log_prob stores log_probs in the packed batches only."""
-    rng = np.random.default_rng(10)
-    dump = tmp_path / "dump"
-    (dump / "train_data").mkdir(parents=True)
-    (dump / "rollout_data").mkdir()
-    samples, train = slime_rollout(rng, 0, 1, n=4)
-    torch.save({"rollout_id": 0, "samples": samples}, dump / "rollout_data" / "0.pt")
+    dump, samples, train = per_rank_dump(tmp_path, np.random.default_rng(10), n=4)
     for rank in range(2):
         shard = train[rank::2]
         cols = {k: [t[k] for t in shard] for k in shard[0] if k not in ("sample_index", "log_probs")}
