@@ -13,7 +13,8 @@ holding numpy arrays, which the conversion does not read). Keys ([B, R] over the
 ``action_log_probs`` (the trainer's, before the update; None when that forward pass is skipped),
 ``rollout_logprobs`` (the inference engine's; None unless the generator returns them), ``advantages``,
 ``returns``, ``base_action_log_probs``, ``values``; metadata ``response_length``, ``policy_prompt_boundaries``
-(one (start, end) per prompt group; earlier releases kept ``uids``), ``pad_size``.
+(one (start, end) per prompt group; skyrl-train 0.1.0-0.3.1 pop ``uids`` and write no boundaries, so their dumps
+carry no group id), ``pad_size`` (skyrl-train 0.3.1 on).
 
 Layouts (``dataset/preprocess.py``, ``convert_prompts_responses_to_batch_tensors``): until b059319cf (2026-03-18)
 the response tensors are left-aligned (response at column 0, padding after it); since then every row is one
