@@ -30,21 +30,19 @@ import contextlib
 import dataclasses
 import functools
 import logging
-import math
 import pickle
 import sys
 import types
 
 import numpy as np
-import pandas as pd
-import pyarrow.parquet as pq
 import pytest
 import torch
 
-from lab.diagnose import RolloutLog, diagnose
+from lab.diagnose import RolloutLog
 from lab.diagnose.adapters import convert
 from lab.diagnose.safe_load import load_skyrl_pickle
 from shipped_code import load, methods, source_file
+from skyrl_checks import check_converted, check_headline, generator_output, model_logprobs
 
 pytestmark = pytest.mark.slow  # loading the trainer's source runs its imports (Ray, transformers): seconds
 
@@ -124,30 +122,6 @@ def shipped_skyrl_train():
 
 
 # ------------------------------------------------------------------------------------------------ the run
-def model_logprobs(tokens: torch.Tensor, model: str) -> torch.Tensor:
-    """The stand-in model's log-prob of each token: a fixed function of the token id."""
-    salt = {"policy": 31, "ref": 57}[model]
-    return -(((tokens * salt + 7) % 97).to(torch.float32) / 40.0 + 0.01)
-
-
-def generator_output(rng, n_prompts: int) -> tuple[dict, list[str]]:
-    """What ``postprocess_generator_output`` hands ``convert_to_training_input``: N_SAMPLES responses per prompt,
-    per-token rewards (the outcome on the last token), loss masks (a tool output inside one response, one response
-    left out of the loss entirely) and the inference engine's log-probs."""
-    uids = [f"prompt-{k}" for k in range(n_prompts) for _ in range(N_SAMPLES)]
-    prompts = {u: rng.integers(3, 900, int(rng.integers(2, 7))).tolist() for u in dict.fromkeys(uids)}
-    responses = [rng.integers(3, 900, int(n)).tolist() for n in rng.integers(1, 10, len(uids))]
-    responses[1] = rng.integers(3, 900, 12).tolist()  # the longest: the other rows are padded in the response window
-    masks = [[1] * len(r) for r in responses]
-    masks[1][3:5] = [0, 0]  # a tool output
-    masks[2] = [0] * len(responses[2])  # left out of the loss, but not padding
-    rewards = [[0.0] * (len(r) - 1) + [float(rng.integers(0, 2))] for r in responses]
-    rewards[0][-1], rewards[1][-1] = 1.0, 0.0  # the first group has a nonzero spread
-    logprobs = [(-rng.exponential(1.0, len(r))).tolist() for r in responses]
-    return {"prompt_token_ids": [prompts[u] for u in uids], "response_ids": responses, "rewards": rewards,
-            "loss_masks": masks, "rollout_logprobs": logprobs}, uids
-
-
 def actor_group(sk, model: str, dp_size: int):
     """A ``PPORayActorGroup`` with one worker per data-parallel rank: SkyRL's ``async_run_ray_method`` dispatches
     through its ``MeshDispatch`` / ``PassThroughDispatch``; each worker handle's ``forward.remote`` returns the
@@ -205,7 +179,7 @@ def run_steps(sk, export_path, steps: dict, dp_size: int) -> dict:
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     rng = np.random.default_rng(11)
-    steps = {3: generator_output(rng, 3), 4: generator_output(rng, 4)}  # 6 sequences, then 8
+    steps = {3: generator_output(rng, 3, N_SAMPLES), 4: generator_output(rng, 4, N_SAMPLES)}  # 6, then 8 sequences
     export = tmp_path_factory.mktemp("skyrl_train") / "export"
     names = {}
     with shipped_skyrl_train() as sk:
@@ -259,75 +233,15 @@ def test_the_dump_is_skyrl_trains(run):
     assert set(state["batch_dict"]) == set(b3) and all(isinstance(v, bytes) for v in state["batch_dict"].values())
 
 
-def grpo(rewards, groups, eps=1e-6) -> np.ndarray:
-    """GRPO's outcome advantage (Shao et al. 2024, DeepSeekMath), restated: (r - mean_group) / (std_group + eps),
-    the standard deviation with n - 1 in the denominator as SkyRL's torch.std takes it."""
-    r = np.array([sum(x) for x in rewards], dtype=np.float64)
-    g = np.array(groups)
-    out = np.empty_like(r)
-    for k in set(groups):
-        m = g == k
-        out[m] = (r[m] - r[m].mean()) / (r[m].std(ddof=1) + eps)
-    return out
-
-
 def test_converted_value_by_value(run):
     steps, batches, log, _, export, info = run
-    tok, seq = [pq.read_table(log.path / f"{t}.parquet").to_pandas() for t in ("tokens", "sequences")]
-    assert log.meta["source"] == "skyrl"
     padding = [] if not info["has_pad"] else [
         "2 padding rows (SkyRL's pad_size, added to fill the data-parallel ranks) skipped"]
     assert log.meta["notes"] == padding
-    assert tok["current_logp"].isna().all() and tok["version"].isna().all()
-    k = 0
-    for step, (out, uids) in steps.items():
-        batch, f = batches[step], export / "dumped_data" / f"global_step_{step}_training_input.pkl"
-        groups = [list(dict.fromkeys(uids)).index(u) for u in uids]
-        adv = grpo(out["rewards"], groups)
-        for b, resp in enumerate(out["response_ids"]):
-            n = len(resp)
-            rows = tok[(tok["step"] == step) & (tok["sample_id"] == b)]
-            np.testing.assert_array_equal(rows["position"], np.arange(n))
-            np.testing.assert_array_equal(rows["token_id"], resp)
-            np.testing.assert_array_equal(rows["loss_mask"], np.array(out["loss_masks"][b]) > 0)
-            np.testing.assert_array_equal(rows["sampler_logp"].to_numpy(np.float32),
-                                          np.array(out["rollout_logprobs"][b], np.float32))
-            np.testing.assert_array_equal(rows["old_logp"].to_numpy(np.float32),
-                                          model_logprobs(torch.tensor(resp), "policy").numpy())
-            np.testing.assert_allclose(rows["advantage"], np.full(n, adv[b]), rtol=1e-6, atol=1e-6)
-            for col, key in (("sampler_logp", "rollout_logprobs"), ("old_logp", "action_log_probs"),
-                             ("advantage", "advantages"), ("loss_mask", "loss_mask")):  # the batch's first n columns
-                np.testing.assert_array_equal(rows[col].to_numpy(np.float32), batch[key][b, :n].numpy())
-            r = seq.iloc[k]
-            assert (r["step"], r["sample_id"], r["response_length"]) == (step, b, n)
-            # the uids are popped before dumping and these releases record no prompt boundaries: no groups
-            assert pd.isna(r["group_id"])
-            assert r["origin"] == f"{f} row {b}" and math.isnan(r["reward"])  # rewards popped too
-            if any(out["loss_masks"][b]):
-                assert r["advantage"] == pytest.approx(adv[b], abs=1e-6)
-            else:
-                assert pd.isna(r["advantage"])
-            k += 1
-    assert len(seq) == k == 14 and len(tok) == sum(len(r) for o, _ in steps.values() for r in o["response_ids"])
+    # these releases left-align the response and pop the uids without recording prompt boundaries: no groups
+    check_converted(steps, batches, log, export, right_aligned=False, grouped=False)
+    assert sum(len(o["response_ids"]) for o, _ in steps.values()) == 14
 
 
 def test_headline_numbers(run):
-    steps, _, log, _, _, _ = run
-    d = diagnose(log, progress=False)
-    delta, L = [], []
-    for out, _ in steps.values():
-        for resp, mask, lp in zip(out["response_ids"], out["loss_masks"], out["rollout_logprobs"]):
-            m = np.array(mask) > 0
-            # the log keeps SkyRL's float32 log-probs, and the lab takes their difference in float32
-            x = (model_logprobs(torch.tensor(resp), "policy").numpy() - np.array(lp, np.float32))[m].astype(np.float64)
-            delta.append(x)
-            if m.any():
-                L.append(x.sum())
-    delta = np.concatenate(delta)
-    row = d.tables["overall"].set_index("pair").loc["mismatch"]
-    assert row["n_tok"] == delta.size and row["n_seq"] == len(L) and row["n_steps"] == 2
-    assert row["mean"] == pytest.approx(delta.mean(), rel=1e-9)
-    assert row["mean_abs"] == pytest.approx(np.abs(delta).mean(), rel=1e-9)
-    assert row["max_abs"] == pytest.approx(np.abs(delta).max(), rel=1e-9)
-    assert row["logw_mean"] == pytest.approx(np.mean(L), rel=1e-9)
-
+    check_headline(run[0], run[2])
