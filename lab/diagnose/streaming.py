@@ -209,6 +209,10 @@ class _Pass:
         k = self._locate_runs(offset, c)
         if k is None:
             return
+        for col in self.log.logp_columns:  # log-probs in the log's declared dtype (beyond float32's range: inf)
+            if c[col].dtype != self.dtype:
+                with np.errstate(over="ignore"):
+                    c[col] = c[col].astype(self.dtype)
         k.add(self.n_rows, k.lens.astype(np.float64))
         pos = c["position"]
         self._check_positions(offset, pos, k, c)
@@ -292,9 +296,6 @@ class _Pass:
         bad_any = None
         for col in self.log.logp_columns:
             x = c[col]
-            if x.dtype != self.dtype:  # taken in the log's declared dtype: beyond float32, a float32 log's is inf
-                with np.errstate(over="ignore"):
-                    c[col] = x = x.astype(self.dtype)
             if np.isfinite(x.min()) and x.max() <= LOGP_MAX:  # every row finite and at most LOGP_MAX
                 continue
             with np.errstate(invalid="ignore"):
