@@ -184,3 +184,20 @@ def test_sweep_device_flag_overrides_the_base_and_is_refused_where_it_cannot_app
                          capture_output=True, text=True, timeout=120, env={**os.environ, "LAB_QUIET": "1"})
     assert out.returncode == 2 and "device" in out.stderr and len(out.stderr.strip().splitlines()) == 1
     assert not (tmp_path / "run").exists()
+
+
+def test_a_run_takes_its_warm_start_trained_on_its_own_device(monkeypatch):
+    # the warm start's cache key holds the device type (lab.pretrain.run_config): a CUDA run must ask for the CUDA
+    # warm start, not train the CPU one on one CPU thread in every worker
+    import lab.pretrain
+
+    asked = []
+    real = lab.pretrain.warm_start
+
+    def spy(env, size, target, **kw):
+        asked.append(kw.get("device", "cpu (the default)"))
+        return real(env, size, target, **kw)
+
+    monkeypatch.setattr(lab.pretrain, "warm_start", spy)
+    train(TrainConfig(**dict(TINY, steps=1), device="cpu"), progress=False)
+    assert asked == ["cpu"]

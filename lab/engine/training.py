@@ -489,7 +489,7 @@ def weight_metrics(lp_pi, lp_mu, lp_old, mask) -> dict:
     return {"ess_frac": float(diagnostics.kish_ess_fraction(L)),
             "chi2_seq_sampled": float(diagnostics.chi2(L)),
             "k3_token": float((diagnostics.kl_k3(delta) * mask).sum()) / n_tok,
-            "khat": float(diagnostics.psis_khat(L.numpy())),
+            "khat": float(diagnostics.psis_khat(L.cpu().numpy())),
             "mismatch_abs_logprob": float(((lp_old - lp_mu).abs() * mask).sum()) / n_tok}
 
 
@@ -568,13 +568,15 @@ class _Run:
 
     def initial_params(self, init_gen, progress) -> torch.Tensor:
         """The policy's init, or (transformer with ``warm_start``) the cached supervised warm start: the same one for
-        every seed (seed 0 of ``lab pretrain``), as every run of a paper's table starts from one base model."""
+        every seed (seed 0 of ``lab pretrain``), as every run of a paper's table starts from one base model, trained on
+        the run's device type (``lab pretrain --device``: a CPU one on one thread, a CUDA one on the GPU)."""
         cfg = self.cfg
         if not cfg.warm_start:
             return init_params(self.policy, cfg.init_scale, init_gen, dtype=self.dtype)
         from lab.pretrain import warm_start
 
-        return warm_start(self.env, cfg.size, cfg.warm_start, seed=0, progress=progress).to(self.dtype)
+        return warm_start(self.env, cfg.size, cfg.warm_start, seed=0, device=cfg.device,
+                          progress=progress).to(self.dtype)
 
     def trainer_log_probs(self, theta, prompts, tokens, routes=None, kept=None) -> torch.Tensor:
         """The trainer's token log-probs of ``tokens`` under ``theta`` (its full-sequence pass; ``routes`` replayed),

@@ -15,7 +15,8 @@ exact accuracy with a stratified-bootstrap interval, the collapse rate with a Wi
 (``lab.studies.real_staleness_training.study.orderings``; the paper's table: ``lab.studies.staleness_training.paper``).
 
 A flip (``flips``): two estimators a, b at one setting whose order at one length is reversed at another, both times
-with non-overlapping 95% intervals: lo_a(T1) > hi_b(T1) and lo_b(T2) > hi_a(T2). An order that changes only within
+with 95% intervals apart by more than ``TIE``: lo_a(T1) > hi_b(T1) + TIE and lo_b(T2) > hi_a(T2) + TIE (so two
+collapsed runs, 0.00 [0.00, 0.00] against 0.00 [0.0003, 0.03], are not a flip). An order that changes only within
 the intervals is not a flip.
 """
 from __future__ import annotations
@@ -38,11 +39,12 @@ from lab.policies.transformer import env_config, parameter_count
 from lab.studies.real_staleness_training import study as real  # the aggregation and the paper's orderings, reused
 from lab.studies.real_staleness_training.study import LABEL, Cell, Ordering
 from lab.studies.staleness_training import aggregate as agg
-from lab.studies.staleness_training.paper import paper_comparison
+from lab.studies.staleness_training.paper import RANK_TIE, paper_comparison
 from lab.studies.staleness_training.study import PaperComparison, validate_sweeps
 
 STUDIES = ("sync", "async")
 IQM = f"{LABEL}_iqm"
+TIE = RANK_TIE  # intervals closer than this are not apart (the paper comparison's tie, 0.005 accuracy)
 SWEEPS = Path(__file__).parent / "sweeps"  # the full tables' specs
 
 
@@ -178,7 +180,7 @@ def flips(table: pd.DataFrame) -> list[dict]:
                 shared = [e for e in at[ta] if e in at[tb]]
                 for a in shared:
                     for b in shared:
-                        if a != b and at[ta][a][1] > at[ta][b][2] and at[tb][b][1] > at[tb][a][2]:
+                        if a != b and at[ta][a][1] > at[ta][b][2] + TIE and at[tb][b][1] > at[tb][a][2] + TIE:
                             out.append({"study": study, "setting": str(x), "first": a, "second": b,
                                         "length_a": ta, "length_b": tb, "first_at_a": at[ta][a],
                                         "second_at_a": at[ta][b], "first_at_b": at[tb][a], "second_at_b": at[tb][b]})
@@ -202,6 +204,44 @@ class Flip:
 
 
 @dataclass
+class Coverage:
+    """A length at which a study's sweep did not finish every run of the grid its finished runs span."""
+
+    finished: int  # runs
+    of: int  # estimators x settings x seeds
+    short: list[str]  # what is missing, one phrase each ("vespo not run", "gspo at N = 16: 4 of 5 seeds")
+
+
+SETTING = {"sync": ("minibatches", "N"), "async": ("eta", "η")}  # study -> (its setting column, its symbol)
+
+
+def coverage(sweeps: dict) -> dict:
+    """{study: {length: Coverage}} for every length at which a study lacks runs of the grid that its finished runs
+    span (every estimator x setting x seed seen at any length): a sweep stopped before it finished. Empty when
+    complete."""
+    out = {}
+    for study, (_, runs) in sweeps.items():
+        col, sym = SETTING[study]
+        ests, xs, n_seeds = list(dict.fromkeys(runs["estimator"])), sorted(set(runs[col])), runs["seed"].nunique()
+        for t, part in runs.groupby("length"):
+            n = part.groupby(["estimator", col])["seed"].nunique().to_dict()
+            short = []
+            for e in ests:
+                absent = [x for x in xs if (e, x) not in n]
+                if len(absent) == len(xs):
+                    short.append(f"{e} not run")
+                    continue
+                if absent:
+                    short.append(f"{e} at {sym} = {', '.join(f'{x:g}' for x in absent)} not run")
+                short += [f"{e} at {sym} = {x:g}: {n[e, x]} of {n_seeds} seeds" for x in xs
+                          if (e, x) in n and n[e, x] < n_seeds]
+            if short:
+                out.setdefault(study, {})[str(int(t))] = {"finished": int(len(part)),
+                                                           "of": len(ests) * len(xs) * n_seeds, "short": short}
+    return out
+
+
+@dataclass
 class Staleness:
     """The transformer staleness table across lengths (summary.json's ``staleness``)."""
 
@@ -221,6 +261,7 @@ class Staleness:
     flips: list[Flip]
     orderings: dict[str, list[Ordering]]  # length -> VESPO's orderings at the largest N
     paper_comparison: dict[str, PaperComparison | None] = field(default_factory=dict)  # length -> the paper's N
+    coverage: dict[str, dict[str, Coverage]] = field(default_factory=dict)  # study -> length -> what did not finish
 
 
 def section(source: str, sweeps: dict, table: pd.DataFrame, baseline: str | None) -> dict:
@@ -239,7 +280,7 @@ def section(source: str, sweeps: dict, table: pd.DataFrame, baseline: str | None
            "initial_heldout_accuracy": {str(t): float(first.loc[t, "initial_heldout_accuracy"]) for t in lengths},
            "updates": {s: sorted(int(u) for u in r["updates"].unique()) for s, (_, r) in sweeps.items()},
            "runs": {s: int(len(r)) for s, (_, r) in sweeps.items()},
-           "table": {}, "flips": flips(table), "orderings": {}, "paper_comparison": {}}
+           "table": {}, "flips": flips(table), "orderings": {}, "paper_comparison": {}, "coverage": coverage(sweeps)}
     for t in lengths:
         part = table[table["length"] == t]
         for study, cells in agg.summary_table(part, LABEL).items():

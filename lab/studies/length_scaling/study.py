@@ -23,7 +23,8 @@ On a transformer (``staleness``, the summary's ``staleness`` section): the stale
 real_staleness_training study (RL under mini-batch staleness N and async lag, final held-out accuracy over seeds)
 repeated on the copy task at several answer lengths, and the pairs of corrections whose order flips with length.
 It runs at ``staleness_lengths`` or is read from finished sweeps (``results``); by default neither, since it takes
-hours of CPU at T = 256 (the full tables: ``sweeps/length_transformer_{sync,async}.yaml``).
+hours of CPU at T = 256 (the full tables: ``sweeps/length_transformer_{sync,async}.yaml``; the table run on a GPU:
+``sweeps/length_transformer_{sync,async}_gpu.yaml``).
 """
 from __future__ import annotations
 

@@ -17,13 +17,14 @@ RANK_TIE = 0.005  # IQMs closer than this share a rank
 def paper_comparison(table: pd.DataFrame, label: str = "final_reward") -> dict | None:
     """Per paper estimator present in the sync study: toy IQM at the N of the paper that were swept, the toy's
     and the paper's change from the smallest to the largest shared N, and the ranks at the largest shared N
-    (1 + the number of estimators clearly above, ties within ``RANK_TIE`` share a rank). None when the sweep shares
-    fewer than two N with the paper or trains none of its methods."""
+    (1 + the number of estimators clearly above, ties within ``RANK_TIE`` share a rank). The N compared are those
+    every paper method present has (a partly finished sweep compares what all of them finished); None when fewer
+    than two are shared with the paper or none of its methods was trained."""
     if "sync" not in set(table["study"]):
         return None
     t = table[(table["study"] == "sync") & (table["metric"] == f"{label}_iqm")]
-    shared = sorted(set(t["x"]) & set(PAPER_N))
     ests = [e for e in PAPER if e in set(t["estimator"])]
+    shared = sorted(set(PAPER_N).intersection(*(set(t.loc[t["estimator"] == e, "x"]) for e in ests)))
     if len(shared) < 2 or not ests:
         return None
     lo_n, hi_n = shared[0], shared[-1]

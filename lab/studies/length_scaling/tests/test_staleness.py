@@ -39,6 +39,29 @@ def test_a_flip_is_a_reversal_with_intervals_apart_at_both_lengths():
     ties = pd.DataFrame(_rows("sync", "16", 6, {"a": (0.5, 0.4, 0.6), "b": (0.3, 0.2, 0.4)})
                         + _rows("sync", "16", 64, {"a": (0.3, 0.2, 0.4), "b": (0.5, 0.4, 0.6)}))
     assert staleness.flips(ties) == []  # touching intervals (0.4 = 0.4) are not apart
+    collapsed = pd.DataFrame(_rows("sync", "64", 6, {"a": (0.7, 0.65, 0.75), "b": (0.5, 0.45, 0.55)})
+                             + _rows("sync", "64", 64, {"a": (0.0, 0.0, 0.0), "b": (0.001, 0.0003, 0.03)}))
+    assert staleness.flips(collapsed) == []  # both collapsed at T = 64: apart by less than TIE, not a flip
+    apart = collapsed.assign(lo=collapsed["lo"].where(collapsed["value"] != 0.001, 0.02))
+    assert [(f["first"], f["second"]) for f in staleness.flips(apart)] == [("a", "b")]
+
+
+def _runs(study_name, spec):
+    """A finished sweep's runs table: spec is {length: {(estimator, setting): n_seeds}}."""
+    col = staleness.SETTING[study_name][0]
+    return (None, pd.DataFrame([{"estimator": e, col: x, "seed": s, "length": t} for t, cells in spec.items()
+                                for (e, x), n in cells.items() for s in range(n)]))
+
+
+def test_coverage_names_what_a_stopped_sweep_did_not_finish():
+    full = {(e, x): 3 for e in ("reinforce", "vespo") for x in (1, 16)}
+    short = {("reinforce", 1): 3, ("reinforce", 16): 2}  # vespo not run, reinforce N = 16 one seed short
+    sweeps = {"sync": _runs("sync", {6: full, 256: short}),
+              "async": _runs("async", {6: {("vespo", 0): 3, ("vespo", 8): 3}, 256: {("vespo", 0): 3}})}
+    assert staleness.coverage(sweeps) == {
+        "sync": {"256": {"finished": 5, "of": 12, "short": ["reinforce at N = 16: 2 of 3 seeds", "vespo not run"]}},
+        "async": {"256": {"finished": 3, "of": 6, "short": ["vespo at η = 8 not run"]}}}
+    assert staleness.coverage({"sync": _runs("sync", {6: full, 64: full})}) == {}  # complete: nothing said
 
 
 def _cell(v, w=0.05, c=0.0):
@@ -98,6 +121,17 @@ def test_the_sections_decisions_read_the_summary():
     assert [t.get_text() for t in fig.axes[0].get_legend().get_texts()] == ["reinforce", "ppo_clip", "vespo"]
 
 
+def test_an_unfinished_table_says_what_did_not_run():
+    s = copy.deepcopy(SECTION)
+    s["coverage"] = {"sync": {"64": {"finished": 4, "of": 6, "short": ["vespo not run"]}}}
+    s["table"]["sync"]["64"].pop("vespo")
+    s["orderings"]["64"] = []
+    md = report.staleness_answer(_summary(s))
+    assert "Not every run finished" in md and "sync, T = 64: 4 of 6 runs; vespo not run." in md
+    assert "T = 64: not checked: no pair of the paper's methods finished" in md
+    assert "Not every run finished" not in report.staleness_answer(_summary(SECTION))  # a complete table: not said
+
+
 def test_no_flip_and_no_section_are_said():
     s = copy.deepcopy(SECTION)
     s["flips"], s["orderings"] = [], {"6": [_ordering("vespo", "ppo_clip", "reversed")], "64": []}
@@ -135,6 +169,19 @@ def test_the_full_tables_specs_are_valid_sweeps_over_length(name):
     ours = study.Config(staleness_lengths=[6, 64, 256], staleness_etas=[0, 2, 8]).staleness_table().specs()[name]
     assert {k: v for k, v in ours.base.items() if k != "device"} == spec.base  # the Config's defaults, full size
     assert list(ours.grid) == list(spec.grid) and ours.grid["env_overrides"] == spec.grid["env_overrides"]
+
+
+@pytest.mark.parametrize("name", ["sync", "async"])
+def test_the_gpu_tables_specs_are_the_cpu_tables_at_one_more_length_on_cuda(name):
+    """The specs of the table run on a GPU: the CPU-sized grid with T = 256 added (the longest first, so a sweep
+    stopped early has the lengths a CPU cannot reach) and every cell on CUDA. (Expanding them validates the device,
+    which this machine may lack.)"""
+    cpu = load_spec(staleness.SWEEPS / f"length_transformer_{name}_cpu.yaml")
+    gpu = load_spec(staleness.SWEEPS / f"length_transformer_{name}_gpu.yaml")
+    assert gpu.name == f"length_transformer_{name}_gpu" and gpu.base == {**cpu.base, "device": "cuda"}
+    assert [o["difficulty"] for o in gpu.grid["env_overrides"]] == [256, 64, 32, 6]
+    assert {k: v for k, v in gpu.grid.items() if k != "env_overrides"} == {
+        k: v for k, v in cpu.grid.items() if k != "env_overrides"}
 
 
 @pytest.mark.parametrize("name", ["sync", "async"])

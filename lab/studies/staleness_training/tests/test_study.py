@@ -47,6 +47,25 @@ def test_no_paper_comparison_with_fewer_than_two_of_the_papers_n():
     assert aggregate.setting_key(0.5) == "0.5" and aggregate.setting_key(64.0) == "64"
 
 
+def test_a_partly_finished_sweep_compares_the_n_every_paper_method_has():
+    # a sweep stopped early: vespo has no N = 64 cell. The comparison takes the N every paper method has (before, a
+    # KeyError ended the report); with one N left shared there is no comparison
+    import pandas as pd
+
+    from lab.studies.staleness_training.paper import paper_comparison
+
+    def table(cells):
+        return pd.DataFrame([{"study": "sync", "metric": "final_reward_iqm", "estimator": e, "x": float(x), "value": v,
+                              "lo": v - 0.1, "hi": v + 0.1} for e, x, v in cells])
+
+    full = [("ppo_clip", 4, 0.5), ("ppo_clip", 16, 0.4), ("ppo_clip", 64, 0.3), ("vespo", 4, 0.6), ("vespo", 16, 0.5)]
+    pc = paper_comparison(table(full))
+    assert (pc["n_low"], pc["n_high"]) == (4, 16)
+    assert pc["estimators"]["ppo_clip"]["toy_high"] == 0.4 and pc["estimators"]["vespo"]["toy_high"] == 0.5
+    assert paper_comparison(table([c for c in full if c[1] != 4])) is None  # only N = 16 shared
+    assert paper_comparison(table(full + [("vespo", 64, 0.45)]))["n_high"] == 64
+
+
 SPEC_GRID = {"estimator": ["reinforce", "ppo_clip"], "minibatches": [1, 4], "seed": [0, 1]}
 
 
