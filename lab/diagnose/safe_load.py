@@ -20,6 +20,7 @@ import builtins
 import collections
 import io
 import pickle
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -39,15 +40,23 @@ def _numpy_globals() -> list:
     return out
 
 
+def _load(f, weights_only: bool = True):
+    """``torch.load`` on the CPU, without torch's warning about the pickle protocol of a file that is not a
+    ``torch.save`` archive (a bad file is one error line, not a warning and then the line)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Detected pickle protocol", category=UserWarning)
+        return torch.load(f, map_location="cpu", weights_only=weights_only)
+
+
 def torch_load(path: Path, trust: bool = False):
     """``torch.load`` restricted to tensors, builtins and numpy (weights_only) unless ``trust``; a file it cannot
     read (truncated, corrupt, not a torch.save file), trusted or not, is one LabError."""
     path = Path(path)
     try:
         if trust:
-            return torch.load(path, map_location="cpu", weights_only=False)
+            return _load(path, weights_only=False)
         with torch.serialization.safe_globals(_numpy_globals()):
-            return torch.load(path, map_location="cpu", weights_only=True)
+            return _load(path)
     except LabError:
         raise
     except pickle.UnpicklingError as e:
@@ -102,7 +111,7 @@ def _tensor_format(value):
 
 
 def _load_storage_bytes(b: bytes):
-    return torch.load(io.BytesIO(b), map_location="cpu", weights_only=True)
+    return _load(io.BytesIO(b))
 
 
 _BUILTINS = {"set", "frozenset", "slice", "complex", "bytearray", "range"}
@@ -169,12 +178,12 @@ def decode_skyrl_field(value, *, source: Path, key: str):
         return value
     try:
         if isinstance(value, (bytes, bytearray)):
-            out = torch.load(io.BytesIO(value), map_location="cpu", weights_only=True)
+            out = _load(io.BytesIO(value))
         elif isinstance(value, dict) and value.get("format", "numpy") == "numpy":
             arr = np.frombuffer(value["data"], dtype=np.dtype(value["dtype"])).reshape(tuple(value["shape"]))
             out = torch.from_numpy(arr.copy())
         elif isinstance(value, dict) and value.get("format") == "torch":
-            out = torch.load(io.BytesIO(value["data"]), map_location="cpu", weights_only=True)
+            out = _load(io.BytesIO(value["data"]))
         elif isinstance(value, dict) and value.get("format") == "tensor_list":
             return None  # ragged multimodal inputs: not a per-token quantity
         else:
