@@ -15,9 +15,9 @@ exact accuracy with a stratified-bootstrap interval, the collapse rate with a Wi
 (``lab.studies.real_staleness_training.study.orderings``; the paper's table: ``lab.studies.staleness_training.paper``).
 
 A flip (``flips``): two estimators a, b at one setting whose order at one length is reversed at another, both times
-with 95% intervals apart by more than ``TIE``: lo_a(T1) > hi_b(T1) + TIE and lo_b(T2) > hi_a(T2) + TIE (so two
-collapsed runs, 0.00 [0.00, 0.00] against 0.00 [0.0003, 0.03], are not a flip). An order that changes only within
-the intervals is not a flip.
+with 95% intervals apart by more than the paper comparison's tie ``RANK_TIE`` (0.005): lo_a(T1) > hi_b(T1) + tie
+and lo_b(T2) > hi_a(T2) + tie (so two collapsed runs, 0.00 [0.00, 0.00] against 0.00 [0.0003, 0.03], are not a
+flip). An order that changes only within the intervals is not a flip.
 """
 from __future__ import annotations
 
@@ -44,7 +44,6 @@ from lab.studies.staleness_training.study import PaperComparison, validate_sweep
 
 STUDIES = ("sync", "async")
 IQM = f"{LABEL}_iqm"
-TIE = RANK_TIE  # intervals closer than this are not apart (the paper comparison's tie, 0.005 accuracy)
 SWEEPS = Path(__file__).parent / "sweeps"  # the full tables' specs
 
 
@@ -165,6 +164,11 @@ def summarise(sweeps: dict, baseline: str | None, n_boot: int) -> pd.DataFrame:
     return pd.concat(parts, ignore_index=True)
 
 
+def _apart(high: list[float], low: list[float]) -> bool:
+    """[value, lo, hi] ``high`` above ``low`` with the intervals apart by more than the tie."""
+    return high[1] > low[2] + RANK_TIE
+
+
 def flips(table: pd.DataFrame) -> list[dict]:
     """Every pair of estimators whose order at one setting reverses between two lengths with non-overlapping
     intervals of the IQM both times (module docstring), in the order study, setting, lengths, pair: ``first`` is
@@ -180,7 +184,7 @@ def flips(table: pd.DataFrame) -> list[dict]:
                 shared = [e for e in at[ta] if e in at[tb]]
                 for a in shared:
                     for b in shared:
-                        if a != b and at[ta][a][1] > at[ta][b][2] + TIE and at[tb][b][1] > at[tb][a][2] + TIE:
+                        if a != b and _apart(at[ta][a], at[ta][b]) and _apart(at[tb][b], at[tb][a]):
                             out.append({"study": study, "setting": str(x), "first": a, "second": b,
                                         "length_a": ta, "length_b": tb, "first_at_a": at[ta][a],
                                         "second_at_a": at[ta][b], "first_at_b": at[tb][a], "second_at_b": at[tb][b]})
@@ -212,16 +216,13 @@ class Coverage:
     short: list[str]  # what is missing, one phrase each ("vespo not run", "gspo at N = 16: 4 of 5 seeds")
 
 
-SETTING = {"sync": ("minibatches", "N"), "async": ("eta", "η")}  # study -> (its setting column, its symbol)
-
-
 def coverage(sweeps: dict) -> dict:
     """{study: {length: Coverage}} for every length at which a study lacks runs of the grid that its finished runs
     span (every estimator x setting x seed seen at any length): a sweep stopped before it finished. Empty when
     complete."""
     out = {}
     for study, (_, runs) in sweeps.items():
-        col, sym = SETTING[study]
+        col, sym = real.SETTINGS[study], "N" if study == "sync" else "η"
         ests, xs, n_seeds = list(dict.fromkeys(runs["estimator"])), sorted(set(runs[col])), runs["seed"].nunique()
         for t, part in runs.groupby("length"):
             n = part.groupby(["estimator", col])["seed"].nunique().to_dict()

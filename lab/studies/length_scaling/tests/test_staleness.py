@@ -48,7 +48,7 @@ def test_a_flip_is_a_reversal_with_intervals_apart_at_both_lengths():
 
 def _runs(study_name, spec):
     """A finished sweep's runs table: spec is {length: {(estimator, setting): n_seeds}}."""
-    col = staleness.SETTING[study_name][0]
+    col = staleness.real.SETTINGS[study_name]
     return (None, pd.DataFrame([{"estimator": e, col: x, "seed": s, "length": t} for t, cells in spec.items()
                                 for (e, x), n in cells.items() for s in range(n)]))
 
